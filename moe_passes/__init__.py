@@ -1,0 +1,15 @@
+"""moe-passes: torch.compile passes that fuse Mixture-of-Experts layers into one kernel call.
+
+`torch.compile(model, backend="hpu_moe")` rewrites each MoE layer the passes recognise into one call of
+`torch.ops.hpu.mixture_of_experts` on Gaudi, or of its portable twin `torch.ops.moe_passes.mixture_of_experts`
+elsewhere. `moe_passes.explain(model, *args)` says what happened.
+"""
+
+from . import fused_op  # noqa: F401  (registers torch.ops.moe_passes.mixture_of_experts)
+from .backend import hpu_moe
+from .explain import explain
+from .options import Options
+from .report import Declined, Fused, Report
+
+__all__ = ["Declined", "Fused", "Options", "Report", "explain", "hpu_moe"]
+__version__ = "0.1.0"

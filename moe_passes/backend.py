@@ -1,0 +1,109 @@
+"""The `hpu_moe` torch.compile backend.
+
+    dynamo graph -> canonical ATen IR -> MoE fusion pass -> (verify) -> inner backend
+
+The rewrite is for inference: a graph that may need gradients goes to the inner backend as captured.
+Anything that fails inside the passes also sends the captured graph on unchanged, with a warning, so
+the user's compile never breaks because of this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+from . import lowering
+from .ir import to_canonical_aten
+from .options import Options
+from .passes.pipeline import fuse_moe
+from .report import Declined, GraphRecord, next_graph_index, publish
+from .verify import verify_rewrite
+
+log = logging.getLogger(__name__)
+
+
+def default_inner() -> str:
+    """hpu_backend when the Gaudi bridge registered it, else inductor."""
+    try:
+        return "hpu_backend" if "hpu_backend" in list_backends(exclude_tags=()) else "inductor"
+    except TypeError:
+        return "hpu_backend" if "hpu_backend" in list_backends() else "inductor"
+
+
+def inner_name(inner) -> str:
+    if inner is None:
+        return default_inner()
+    return inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
+
+
+def _inner_compiler(inner):
+    if inner is None:
+        inner = default_inner()
+    return lookup_backend(inner) if isinstance(inner, str) else inner
+
+
+def _needs_grad(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    )
+
+
+def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, target: str, record: GraphRecord):
+    """The canonical graph with every fusable MoE layer rewritten, or None to keep `gm` as captured."""
+    canonical = to_canonical_aten(gm, example_inputs)
+    fused, declined = fuse_moe(canonical, target, record.index)
+    record.declined.extend(declined)
+    if not fused:
+        return None
+    if options.verify:
+        error = verify_rewrite(gm, canonical, example_inputs)
+        if error is not None:
+            record.declined.extend(
+                Declined(f.layer, f.form, f"numerical verification failed: {error}", record.index) for f in fused
+            )
+            return None
+    record.fused.extend(fused)
+    return canonical
+
+
+def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None):
+    """torch.compile backend: fuse MoE layers into one `mixture_of_experts` call each, then compile."""
+    opts = Options.parse(options)
+    target = lowering.resolve_target(opts.target)
+    compiler = _inner_compiler(opts.inner)
+    record = GraphRecord(index=next_graph_index())
+    graph = gm
+    if not opts.enabled:
+        record.fallback = "disabled by options"
+    elif _needs_grad(example_inputs):
+        record.fallback = (
+            "gradients are enabled and inputs require grad; the rewrite is inference-only "
+            "(run under torch.no_grad() or torch.inference_mode())"
+        )
+    else:
+        try:
+            rewritten = rewrite_graph(gm, example_inputs, opts, target, record)
+            if rewritten is not None:
+                graph = rewritten
+        except Exception as error:  # noqa: BLE001 - never break the user's compile
+            record.fallback = f"internal error, graph left unrewritten: {type(error).__name__}: {error}"
+            warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
+            log.warning("hpu_moe fell back to the captured graph", exc_info=True)
+    publish(record)
+    for f in record.fused:
+        log.info("fused %s (%s, %d experts, top-%d) -> %s", f.layer, f.form, f.num_experts, f.top_k, f.overload)
+    for d in record.declined:
+        log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
+    return compiler(graph, example_inputs, **({"mode": mode} if mode and _accepts_mode(compiler) else {}))
+
+
+def _accepts_mode(compiler) -> bool:
+    import inspect
+
+    try:
+        return "mode" in inspect.signature(compiler).parameters
+    except (TypeError, ValueError):
+        return False

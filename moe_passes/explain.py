@@ -1,0 +1,46 @@
+"""`moe_passes.explain`: compile and run once, then say what the backend did."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._dynamo.utils import counters
+
+from .backend import hpu_moe, inner_name
+from .lowering import resolve_target
+from .options import Options
+from .report import Report, collecting
+
+
+def explain(model_or_fn, *args, options: dict | None = None, **kwargs) -> Report:
+    """Compile `model_or_fn` with the hpu_moe backend, run it once on `args`/`kwargs` under no_grad,
+    and return a Report: graphs, graph breaks (with reasons), compiles, fused layers, declined candidates.
+
+    Resets dynamo's caches first so that the counts describe this call alone.
+    """
+    if not callable(model_or_fn):
+        raise TypeError(f"explain needs a module or a function, got {type(model_or_fn).__name__}")
+    opts = Options.parse(options)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = functools.partial(hpu_moe, options=opts)
+    functools.update_wrapper(backend, hpu_moe)
+    compiled = torch.compile(model_or_fn, backend=backend)
+    with collecting() as collector, torch.no_grad():
+        compiled(*args, **kwargs)
+    breaks = dict(counters["graph_break"])
+    report = Report(
+        graph_count=len(collector.records),
+        graph_break_count=sum(breaks.values()),
+        break_reasons=list(breaks),
+        compile_count=int(counters["frames"]["ok"]) or len(collector.records),
+        target=resolve_target(opts.target),
+        inner=inner_name(opts.inner),
+    )
+    for record in collector.records:
+        report.fused.extend(record.fused)
+        report.declined.extend(record.declined)
+        if record.fallback:
+            report.fallbacks.append(f"graph {record.index}: {record.fallback}")
+    return report

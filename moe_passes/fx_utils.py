@@ -1,0 +1,163 @@
+"""Small FX helpers the finders share: look through shape-only ops, read fake values, walk regions."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+
+# Ops that only re-index memory: walking through them never changes which values a tensor holds.
+SHAPE_ONLY_OPS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.alias.default,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.expand.default,
+        aten.view_copy.default,
+        aten.unsqueeze_copy.default,
+        aten.squeeze_copy.dim,
+        aten.alias_copy.default,
+    }
+)
+
+TRANSPOSE_OPS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.t_copy.default})
+
+
+def is_call(node: object, *targets) -> bool:
+    """True when `node` is a call_function node of one of `targets` (OpOverload or OpOverloadPacket)."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return False
+    for target in targets:
+        if node.target is target:
+            return True
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet is not None and packet is target:
+            return True
+    return False
+
+
+def val(node: object):
+    """The fake value recorded on a node (tensor, SymInt, or tuple), or None."""
+    if isinstance(node, Node):
+        return node.meta.get("val")
+    return None
+
+
+def shape(node: Node) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype(node: Node) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def strip_shape_ops(node: Node) -> Node:
+    """Walk up through view/reshape/unsqueeze/... to the node that produced the values."""
+    while is_call(node, *SHAPE_ONLY_OPS):
+        node = node.args[0]
+    return node
+
+
+def strip_casts(node: Node) -> Node:
+    """Walk up through dtype conversions and shape-only ops."""
+    while True:
+        if is_call(node, *SHAPE_ONLY_OPS):
+            node = node.args[0]
+        elif is_cast(node):
+            node = node.args[0]
+        else:
+            return node
+
+
+def is_cast(node: object) -> bool:
+    """A `_to_copy` / `convert_element_type` that changes only the dtype."""
+    if is_call(node, torch.ops.prims.convert_element_type.default):
+        return True
+    if is_call(node, aten._to_copy.default):
+        return set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}
+    return False
+
+
+def getitem_of(node: Node, index: int) -> Node | None:
+    """The `operator.getitem(node, index)` user of a multi-output node, if any."""
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            return user
+    return None
+
+
+def is_getitem(node: object, index: int | None = None) -> bool:
+    if not isinstance(node, Node) or node.target is not operator.getitem:
+        return False
+    return index is None or node.args[1] == index
+
+
+def const_int(value: object) -> int | None:
+    """A plain int argument (SymInts with a hint are read through their hint)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint if hasattr(value.node, "hint") else None
+        return int(hint) if hint is not None else None
+    return None
+
+
+def backward_slice(output: Node, boundary: Iterable[Node]) -> set[Node]:
+    """All nodes `output` depends on, stopping at (and excluding) the boundary nodes and placeholders."""
+    stop = set(boundary)
+    seen: set[Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop or node.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(node)
+        stack.extend(n for n in node.all_input_nodes)
+    return seen
+
+
+def escaping_users(region: set[Node], output: Node) -> list[tuple[Node, Node]]:
+    """(inside, outside) pairs where a region node other than `output` feeds a node outside the region."""
+    escapes = []
+    for node in region:
+        if node is output:
+            continue
+        for user in node.users:
+            if user not in region:
+                escapes.append((node, user))
+    return escapes
+
+
+def node_order(graph: torch.fx.Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def within(node: Node, depth: int, predicate) -> bool:
+    """True when some ancestor of `node` at most `depth` steps up satisfies `predicate` (breadth-first)."""
+    frontier, seen = [node], {node}
+    for _ in range(depth + 1):
+        if any(predicate(n) for n in frontier):
+            return True
+        nxt = []
+        for n in frontier:
+            for parent in n.all_input_nodes:
+                if parent not in seen:
+                    seen.add(parent)
+                    nxt.append(parent)
+        frontier = nxt
+    return False

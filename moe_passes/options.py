@@ -1,0 +1,45 @@
+"""The options `torch.compile(..., backend="hpu_moe", options={...})` accepts, checked up front."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from .lowering import TARGETS
+
+
+@dataclass(frozen=True)
+class Options:
+    """inner:   the backend that compiles the rewritten graph: a registered name or a callable
+             (default: "hpu_backend" when registered, else "inductor").
+    target:  "auto" (hpu when torch.ops.hpu.mixture_of_experts exists, else portable), "hpu", "portable".
+    verify:  run the graph before and after the rewrite on the example inputs and keep the rewrite only
+             when the outputs agree within the dtype's tolerance.
+    enabled: False leaves every graph as it is (the inner backend still compiles it).
+    """
+
+    inner: str | Callable | None = None
+    target: str = "auto"
+    verify: bool = False
+    enabled: bool = True
+
+    @classmethod
+    def parse(cls, options: dict | None) -> Options:
+        if options is None:
+            return cls()
+        if isinstance(options, Options):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(f"hpu_moe options must be a dict, got {type(options).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown hpu_moe option(s) {unknown}; known options: {sorted(known)}")
+        parsed = cls(**options)
+        if parsed.target not in TARGETS:
+            raise ValueError(f"hpu_moe option target must be one of {TARGETS}, got {parsed.target!r}")
+        if parsed.inner is not None and not (isinstance(parsed.inner, str) or callable(parsed.inner)):
+            raise TypeError("hpu_moe option inner must be a backend name or a callable")
+        if not isinstance(parsed.verify, bool) or not isinstance(parsed.enabled, bool):
+            raise TypeError("hpu_moe options verify and enabled must be bools")
+        return parsed

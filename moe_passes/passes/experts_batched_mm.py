@@ -1,0 +1,141 @@
+"""Batched-GEMM experts: transformers 5.x `batched_mm_experts_forward`.
+
+    xs = x.repeat_interleave(k);  W = W_gate_up[ids.view(-1)]          (a gathered copy per slot)
+    h = bmm(W, xs[..., None]) -> act(gate half) * up half
+    y = bmm(W_down[ids.view(-1)], h[..., None]) * w.view(-1)[:, None]
+    out = y.view(T, k, H).sum(1)
+
+The anchor is the final `sum` over the k slots. Slot s of the flat tensors is token s // k, slot
+s % k, which is what `repeat_interleave` and `view(-1)` of [T, k] both give; the checks below make sure
+the three flat tensors (rows, ids, weights) are indexed that way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import const_int, within, is_call, is_cast, shape, strip_casts, strip_shape_ops
+from .matches import Decline, ExpertsMatch, ExpertWeights
+from .mlp import activation_of, gated_product, halves
+
+aten = torch.ops.aten
+FORM = "batched_mm"
+
+
+def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
+    results = []
+    for node in graph.nodes:
+        if is_call(node, aten.sum.dim_IntList) and _near_bmm_of_gathered_weights(node):
+            results.append(match_at(node))
+    return results
+
+
+def _near_bmm_of_gathered_weights(node: Node) -> bool:
+    return within(node, 6, lambda n: is_call(n, aten.bmm.default) and any(_gathered(a) for a in n.args))
+
+
+def _gathered(node: Node) -> tuple[Node, Node] | None:
+    """(stacked weight, flat ids) when node = W[ids_flat]."""
+    node = strip_casts(node)
+    if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and len(shape(node.args[0])) == 3:
+        return node.args[0], node.args[1][0]
+    return None
+
+
+def _batched_linear(node: Node) -> tuple[Node, Node, Node, bool] | None:
+    """(input rows, stacked W, flat ids, out_in) for bmm(W[ids], x[..., None]) or bmm(x[:, None], W[ids])."""
+    node = strip_shape_ops(node)
+    if not is_call(node, aten.bmm.default):
+        return None
+    left, right = node.args
+    gathered = _gathered(right)
+    if gathered is not None and is_call(left, aten.unsqueeze.default) and left.args[1] in (1, -2):
+        return left.args[0], gathered[0], gathered[1], False
+    gathered = _gathered(left)
+    if gathered is not None and is_call(right, aten.unsqueeze.default) and right.args[1] in (-1, 2):
+        return right.args[0], gathered[0], gathered[1], True
+    return None
+
+
+def _repeated_rows(rows: Node, top_k: int) -> Node | None:
+    """x when rows = x.repeat_interleave(k, dim=0), which ATen spells expand(x[:, None], [T, k, H])."""
+    expand = rows
+    if is_call(expand, aten.expand.default):
+        source = expand.args[0]
+        sizes = list(expand.args[1])
+        if is_call(source, aten.unsqueeze.default) and source.args[1] == 1 and len(sizes) == 3:
+            if const_int(sizes[1]) == top_k:
+                return source.args[0]
+    if is_call(rows, aten.repeat_interleave.self_int) and const_int(rows.args[1]) == top_k:
+        return rows.args[0]
+    return None
+
+
+def _first_expand(node: Node) -> Node:
+    """Walk view/clone ops down to the expand that implements repeat_interleave (keeps the expand)."""
+    while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
+        node = node.args[0]
+    return node
+
+
+def match_at(out: Node) -> ExpertsMatch | Decline:
+    def no(reason: str) -> Decline:
+        return Decline(FORM, reason, out)
+
+    view = out.args[0]
+    if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
+        return no("the k-slot reduction is not a sum over dim 1 of a [T, k, H] view")
+    top_k = const_int(shape(view)[1])
+    weighted = strip_shape_ops(view)
+    if not is_call(weighted, aten.mul.Tensor):
+        return no("routing weights do not scale the expert outputs")
+    down = None
+    for a, b in ((weighted.args[0], weighted.args[1]), (weighted.args[1], weighted.args[0])):
+        if isinstance(a, Node) and _batched_linear(strip_casts(a)) is not None and isinstance(b, Node):
+            down, slot_weights = _batched_linear(strip_casts(a)), b
+            break
+    if down is None:
+        return no("routing weights do not multiply the output of a batched down projection")
+    down_in, down_w, down_ids, down_out_in = down
+    product = gated_product(down_in)
+    if product is None:
+        return no("the down projection input is not act(gate) * up")
+    activation, described = activation_of(product.activation_node)
+    if activation is None:
+        return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
+    split = halves(product.gate, product.up)
+    if split is None:
+        return no("gate and up are not the two halves of one batched projection")
+    up = _batched_linear(split[0])
+    if up is None:
+        return no("gate/up is not a batched matmul of per-slot gathered weights")
+    rows, gate_up_w, up_ids, up_out_in = up
+    if strip_shape_ops(up_ids) is not strip_shape_ops(down_ids):
+        return no("the two projections gather weights with different ids")
+    hidden_states = _repeated_rows(_first_expand(rows), top_k)
+    if hidden_states is None:
+        return no("the batched rows are not the tokens repeated k times (repeat_interleave)")
+    ids = strip_shape_ops(down_ids)
+    weights = strip_shape_ops(strip_casts(slot_weights))
+    if shape(ids) is None or len(shape(ids)) != 2 or shape(weights) != shape(ids):
+        return no("routing ids and weights are not [T, k] tensors of the same shape")
+    num_experts = const_int(shape(gate_up_w)[0])
+    if const_int(shape(down_w)[0]) != num_experts:
+        return no("gate/up and down stacks hold different numbers of experts")
+    output = out
+    users = list(out.users)
+    if len(users) == 1 and is_cast(users[0]):
+        output = users[0]
+    return ExpertsMatch(
+        form=FORM,
+        output=output,
+        hidden=hidden_states,
+        ids=ids,
+        weights=weights,
+        num_experts=num_experts,
+        top_k=top_k,
+        activation=activation,
+        gate_up=ExpertWeights(stacked=gate_up_w, out_in=up_out_in),
+        down=ExpertWeights(stacked=down_w, out_in=down_out_in),
+    )

@@ -1,0 +1,332 @@
+"""Dense expert loops: every expert runs on every token and is scaled by its routing weight.
+
+    for e in range(E):  out += MLP_e(x) * c_e          c_e[t] = w[t, j] if ids[t, j] == e else 0
+
+This is the Gaudi static-shape MoE of vllm-hpu-extension (stacked `w13`/`w2` weights, c_e a column of
+`zeros(T, E).scatter_(ids, w)`) and the hand-written `nn.ModuleList` loop with dense masks
+(`(w * (ids == e)).sum(-1)`). Unrolled by dynamo, it is a tree of `add`s whose leaves are
+`mul(MLP_e(x), c_e)`. Each MLP is read structurally (mlp.py); each c_e is checked by evaluating its
+index/mask sub-graph on probe routing tensors (probe.py) and finding which expert column it equals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import const_int, dtype, is_call, shape, strip_casts, strip_shape_ops
+from . import probe
+from .matches import Decline, ExpertsMatch, ExpertWeights
+from .mlp import Projection, activation_of, gated_product, halves, projection
+
+aten = torch.ops.aten
+FORM = "dense_loop"
+
+
+@dataclass(frozen=True)
+class ExpertTerm:
+    """One leaf of the accumulation: MLP(x) scaled by a per-token coefficient."""
+
+    term: Node
+    mlp_out: Node
+    coefficient: Node | None
+    hidden: Node
+    activation: str | None
+    activation_desc: str
+    gate_up: Projection | None
+    gate: Projection | None
+    up: Projection | None
+    down: Projection
+    input_scaled_by: Node | None = None  # set when the routing weight multiplies the MLP input
+
+
+def _read_mlp(node: Node) -> dict | None:
+    """Read down(act(gate(x)) * up(x)); gate/up from one fused projection or two projections."""
+    down = projection(node)
+    if down is None:
+        return None
+    product = gated_product(down.input)
+    if product is None:
+        return None
+    activation, desc = activation_of(product.activation_node)
+    split = halves(product.gate, product.up)
+    if split is not None:
+        fused = projection(split[0])
+        if fused is None:
+            return None
+        return dict(hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=activation, desc=desc)
+    gate, up = projection(product.gate), projection(product.up)
+    if gate is None or up is None or gate.input is not up.input:
+        return None
+    return dict(hidden=gate.input, gate_up=None, gate=gate, up=up, down=down, act=activation, desc=desc)
+
+
+def _read_term(node: Node) -> ExpertTerm | None:
+    node_s = strip_casts(node)
+    if is_call(node_s, aten.mul.Tensor):
+        for a, b in ((node_s.args[0], node_s.args[1]), (node_s.args[1], node_s.args[0])):
+            if isinstance(a, Node) and isinstance(b, Node):
+                mlp = _read_mlp(strip_casts(a))
+                if mlp is not None:
+                    return _term(node, strip_casts(a), b, mlp)
+    mlp = _read_mlp(node_s)
+    if mlp is not None:  # an unscaled MLP: is its input scaled instead?
+        hidden = strip_casts(mlp["hidden"])
+        scaled_by = None
+        if is_call(hidden, aten.mul.Tensor):
+            scaled_by = hidden.args[1]
+        return _term(node, node_s, None, mlp, input_scaled_by=scaled_by)
+    return None
+
+
+def _term(node, mlp_out, coefficient, mlp, input_scaled_by=None) -> ExpertTerm:
+    return ExpertTerm(
+        term=node,
+        mlp_out=mlp_out,
+        coefficient=coefficient,
+        hidden=strip_shape_ops(mlp["hidden"]),
+        activation=mlp["act"],
+        activation_desc=mlp["desc"],
+        gate_up=mlp["gate_up"],
+        gate=mlp["gate"],
+        up=mlp["up"],
+        down=mlp["down"],
+        input_scaled_by=input_scaled_by,
+    )
+
+
+def _is_zero_init(node: Node) -> bool:
+    node = strip_casts(node)
+    if is_call(node, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
+        return True
+    if is_call(node, aten.full.default, aten.full_like.default, aten.new_full.default):
+        return node.args[-1] == 0 or node.args[1] == 0
+    return False
+
+
+def _accumulations(graph: torch.fx.Graph, terms: dict[Node, ExpertTerm]) -> list[tuple[Node, list[Node]]]:
+    """(root add, its term leaves) for every maximal add-tree whose leaves are terms or zeros."""
+    leaves: dict[Node, frozenset | None] = {}
+    for node in graph.nodes:
+        if node in terms:
+            leaves[node] = frozenset([node])
+        elif is_call(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1:
+            parts = []
+            for arg in node.args[:2]:
+                if not isinstance(arg, Node):
+                    parts = None
+                    break
+                arg_s = strip_casts(arg)
+                if arg_s in leaves and leaves[arg_s] is not None:
+                    parts.append(leaves[arg_s])
+                elif arg in leaves and leaves[arg] is not None:
+                    parts.append(leaves[arg])
+                elif _is_zero_init(arg):
+                    parts.append(frozenset())
+                else:
+                    parts = None
+                    break
+            leaves[node] = frozenset().union(*parts) if parts is not None else None
+    roots = []
+    for node, covered in leaves.items():
+        if node in terms or not covered or len(covered) < 2:
+            continue
+        if any(leaves.get(user) for user in node.users) or any(
+            leaves.get(u2) for user in node.users if _passes_through(user) for u2 in user.users
+        ):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        roots.append((node, sorted(covered, key=order.__getitem__)))
+    return roots
+
+
+def _passes_through(node: Node) -> bool:
+    return strip_casts(node) is not node
+
+
+def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
+    terms = {}
+    for node in graph.nodes:
+        if is_call(node, aten.mul.Tensor, aten.mm.default, aten._unsafe_view.default, aten.view.default):
+            term = _read_term(node)
+            if term is not None:
+                terms[node] = term
+    return [match_at(root, [terms[n] for n in leaves]) for root, leaves in _accumulations(graph, terms)]
+
+
+def match_at(root: Node, terms: list[ExpertTerm]) -> ExpertsMatch | Decline:
+    def no(reason: str) -> Decline:
+        return Decline(FORM, reason, root)
+
+    if any(t.coefficient is None for t in terms):
+        scaled = [t for t in terms if t.input_scaled_by is not None]
+        if scaled:
+            return no(
+                "routing weights scale each expert's input, not its output; the fused kernel weights "
+                "outputs, and with a non-linear MLP the two are not equal"
+            )
+        return no("some experts' outputs are summed without a routing weight")
+    activations = {t.activation_desc for t in terms}
+    if len(activations) > 1:
+        return no(f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one")
+    if terms[0].activation is None:
+        return no(f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)")
+    hidden = {t.hidden for t in terms}
+    if len(hidden) != 1:
+        return no("experts do not all read the same hidden states")
+    if len({t.gate_up is not None for t in terms}) != 1:
+        return no("experts mix fused gate/up and separate gate and up projections")
+
+    assignment = _expert_ids(terms)
+    if isinstance(assignment, str):
+        return no(assignment)
+    ids, weights, order = assignment
+    ordered = [terms[i] for i in order]
+
+    gate_up = _role(ordered, "gate_up")
+    gate, up, down = _role(ordered, "gate"), _role(ordered, "up"), _role(ordered, "down")
+    roles = [r for r in (gate_up, gate, up, down) if r is not None]
+    if any(isinstance(r, str) for r in roles):
+        return no(next(r for r in roles if isinstance(r, str)))
+    return ExpertsMatch(
+        form=FORM,
+        output=root,
+        hidden=terms[0].hidden,
+        ids=ids,
+        weights=weights,
+        num_experts=len(terms),
+        top_k=const_int(shape(ids)[-1]),
+        activation=terms[0].activation,
+        gate_up=gate_up,
+        gate=gate,
+        up=up,
+        down=down,
+    )
+
+
+def _role(terms: list[ExpertTerm], name: str) -> ExpertWeights | str | None:
+    projections = [getattr(t, name) for t in terms]
+    if projections[0] is None:
+        return None
+    if len({p.out_in for p in projections}) != 1:
+        return f"the {name} weights of the experts are laid out differently"
+    weights = [p.weight for p in projections]
+    shapes = {shape(w) for w in weights}
+    dtypes = {dtype(w) for w in weights}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        return f"the {name} weights of the experts differ in shape or dtype"
+    return ExpertWeights(per_expert=tuple(weights), out_in=projections[0].out_in)
+
+
+def _frontier(terms: list[ExpertTerm]) -> tuple[set[Node], list[list[Node]]]:
+    """The nodes every coefficient derives from (first common ancestors) and each coefficient's slice."""
+    ancestry = []
+    for term in terms:
+        seen, stack = set(), [term.coefficient]
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        ancestry.append(seen)
+    common = set.intersection(*ancestry)
+    slices, frontier = [], set()
+    for term in terms:
+        nodes = probe.slice_between(term.coefficient, common)
+        slices.append(nodes)
+        for node in nodes:
+            frontier.update(n for n in node.all_input_nodes if n in common)
+    return frontier, slices
+
+
+def _expert_ids(terms: list[ExpertTerm]):
+    """(ids, weights, order) with order[e] = index of the term of expert e; or a decline reason."""
+    frontier, slices = _frontier(terms)
+    tensors = {n for n in frontier if isinstance(n.meta.get("val"), torch.Tensor)}
+    padded = [n for n in tensors if is_call(strip_casts(n), aten.scatter.src, aten.scatter.value)]
+    try:
+        if len(tensors) == 1 and padded:
+            return _assign_from_padded(strip_casts(padded[0]), padded[0], terms, slices)
+        return _assign_from_routing(tensors, terms, slices)
+    except probe.NotProbeable as why:
+        return f"the per-expert routing weight is computed with ops the finder cannot check ({why})"
+
+
+def _token_axis_values(value: torch.Tensor, out_shape: tuple, tokens: int) -> torch.Tensor | None:
+    """The coefficient broadcast against the expert output, as one value per token (or None)."""
+    try:
+        full = value.expand(torch.broadcast_shapes(value.shape, out_shape))
+    except RuntimeError:
+        return None
+    flat = full.reshape(-1, full.shape[-1]) if full.dim() >= 2 else None
+    if flat is None or flat.shape[0] != tokens or not bool((flat == flat[:, :1]).all()):
+        return None
+    return flat[:, 0]
+
+
+def _assign(columns_per_probe, coefficient_values, tokens: int, num_columns: int, terms) -> list[int] | str:
+    order: dict[int, int] = {}
+    for index, term in enumerate(terms):
+        out_shape = tuple(int(d) for d in probe._concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
+        matches = None
+        for columns, values in zip(columns_per_probe, coefficient_values[index], strict=True):
+            per_token = _token_axis_values(values, out_shape, tokens)
+            if per_token is None:
+                return "an expert's routing weight is not one value per token"
+            hits = {e for e in range(num_columns) if torch.equal(per_token.to(columns.dtype), columns[:, e])}
+            matches = hits if matches is None else matches & hits
+        if not matches or len(matches) != 1:
+            return "an expert's routing weight is not the routing weight of one expert"
+        expert = matches.pop()
+        if expert in order:
+            return f"two experts in the loop take the routing weight of expert {expert}"
+        order[expert] = index
+    if sorted(order) != list(range(len(terms))):
+        return "the loop's experts are not experts 0..E-1 of the routing"
+    return [order[e] for e in range(len(terms))]
+
+
+def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
+    base, dim, ids, weights = scatter.args[:4]
+    if not _is_zero_init(base) or dim not in (-1, 1) or len(shape(base)) != 2:
+        return "the per-expert weights are not scattered into a zero [T, E] table"
+    tokens, width = (int(probe._concrete(d)) for d in shape(base))
+    if not isinstance(weights, Node) or shape(ids) != shape(weights):
+        return "routing ids and weights differ in shape"
+    columns = probe.column_probes(tokens, width, dtype(padded))
+    values = [
+        [probe.evaluate(nodes, {padded: table})[term.coefficient] for table in columns]
+        for term, nodes in zip(terms, slices, strict=True)
+    ]
+    order = _assign(columns, values, tokens, width, terms)
+    return order if isinstance(order, str) else (strip_shape_ops(ids), strip_shape_ops(weights), order)
+
+
+def _assign_from_routing(tensors: set[Node], terms, slices):
+    ints = [n for n in tensors if not dtype(n).is_floating_point and dtype(n) != torch.bool]
+    floats = [n for n in tensors if dtype(n).is_floating_point]
+    if len(ints) != 1 or len(floats) != 1 or len(tensors) != 2:
+        return "the per-expert routing weights do not derive from one ids tensor and one weights tensor"
+    ids, weights = ints[0], floats[0]
+    if shape(ids) != shape(weights) or len(shape(ids)) != 2:
+        return "routing ids and weights are not [T, k] tensors of the same shape"
+    tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
+    width = max(len(terms), _routing_width(ids) or 0)
+    if top_k > width:
+        return "top-k is larger than the number of experts"
+    probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
+    columns = [probe.padded_columns(i, w, width) for i, w in probes]
+    values = [
+        [probe.evaluate(nodes, {ids: i.to(dtype(ids)), weights: w})[term.coefficient] for i, w in probes]
+        for term, nodes in zip(terms, slices, strict=True)
+    ]
+    order = _assign(columns, values, tokens, width, terms)
+    return order if isinstance(order, str) else (ids, weights, order)
+
+
+def _routing_width(ids: Node) -> int | None:
+    from .routing import describe
+
+    return describe(ids, ids).num_experts

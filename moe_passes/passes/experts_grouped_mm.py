@@ -1,0 +1,230 @@
+"""Grouped-GEMM experts: transformers 5.x `grouped_mm_experts_forward` (its default implementation).
+
+    ids_s, perm = sort(ids.view(-1));  xs = x[perm // k];  ws = w.view(-1)[perm]
+    offs = cumsum(histc(ids_s, bins=E, min=0, max=E-1), dtype=int32)
+    h = grouped_mm(xs, W_gate_up^T, offs) -> act(gate half) * up half
+    y = grouped_mm(h, W_down^T, offs) * ws[:, None]
+    out = y[inverse(perm)].view(T, k, H).sum(1)
+
+The anchor is the final `sum` over the k slots; every step back to the routing is checked, because a
+region that differs anywhere (other offsets, another permutation) computes something else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import const_int, within, is_call, is_cast, is_getitem, shape, strip_casts, strip_shape_ops
+from .matches import Decline, ExpertsMatch, ExpertWeights
+from .mlp import activation_of, gated_product, halves
+
+aten = torch.ops.aten
+FORM = "grouped_mm"
+
+
+def _grouped_mm_targets():
+    targets = [aten._grouped_mm.default]
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    try:
+        if fallback is not None:
+            targets.append(fallback.default)
+    except (AttributeError, RuntimeError):
+        pass
+    return targets
+
+
+def is_grouped_mm(node: object) -> bool:
+    if not isinstance(node, Node) or node.op != "call_function":
+        return False
+    name = getattr(node.target, "name", lambda: "")()
+    return node.target in _grouped_mm_targets() or name in ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+
+
+def _grouped_args(node: Node) -> tuple[Node, Node, Node] | None:
+    args = list(node.args)
+    offs = node.kwargs.get("offs", args[2] if len(args) > 2 else None)
+    if len(args) < 2 or offs is None:
+        return None
+    return args[0], args[1], offs
+
+
+def _stacked_weight(node: Node) -> tuple[Node, bool]:
+    """(stacked [E, ., .] weight, out_in) for the grouped_mm weight operand W^T or W."""
+    if is_call(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]:
+        return node.args[0], True
+    return node, False
+
+
+def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
+    results = []
+    for node in graph.nodes:
+        if is_call(node, aten.sum.dim_IntList) and _feeds_from_grouped_mm(node):
+            results.append(match_at(node))
+    return results
+
+
+def _feeds_from_grouped_mm(node: Node) -> bool:
+    """Cheap pre-filter: a grouped_mm within a few steps above the sum."""
+    return within(node, 6, is_grouped_mm)
+
+
+def match_at(out: Node) -> ExpertsMatch | Decline:
+    def no(reason: str) -> Decline:
+        return Decline(FORM, reason, out)
+
+    dims = out.args[1]
+    view = out.args[0]
+    if list(dims) not in ([1], [-2]) or len(shape(view)) != 3:
+        return no("the k-slot reduction is not a sum over dim 1 of a [T, k, H] view")
+    tokens, top_k, hidden = shape(view)
+    top_k = const_int(top_k)
+    unpermuted = strip_shape_ops(view)
+    if not (is_call(unpermuted, aten.index.Tensor) and len(unpermuted.args[1]) == 1):
+        return no("expert outputs are not gathered back to token order before the sum")
+    weighted, inverse = unpermuted.args[0], unpermuted.args[1][0]
+    perm = _inverse_of(inverse)
+    if perm is None:
+        return no("the gather back to token order is not the inverse of the sort permutation")
+
+    if not is_call(weighted, aten.mul.Tensor):
+        return no("routing weights do not scale the expert outputs")
+    down_mm, slot_weights = _split_product(weighted)
+    if down_mm is None:
+        return no("routing weights do not multiply the output of the down projection")
+    flat_weights = _gathered_by(slot_weights, perm)
+    if flat_weights is None:
+        return no("routing weights are not permuted like the tokens")
+
+    down_in, down_w, offs = _grouped_args(down_mm)
+    product = gated_product(down_in)
+    if product is None:
+        return no("the down projection input is not act(gate) * up")
+    activation, described = activation_of(product.activation_node)
+    if activation is None:
+        return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
+    split = halves(product.gate, product.up)
+    if split is None:
+        return no("gate and up are not the two halves of one grouped projection")
+    gate_up_mm, _intermediate = split
+    if not is_grouped_mm(gate_up_mm):
+        return no("gate/up is not produced by a grouped matmul")
+    rows, gate_up_w, offs_up = _grouped_args(gate_up_mm)
+    if offs_up is not offs:
+        return no("the two grouped matmuls use different group offsets")
+
+    ids_flat = _offsets_source(offs, perm)
+    if ids_flat is None:
+        return no("group offsets are not the per-expert counts of the sorted ids")
+    num_experts = _offsets_bins(offs)
+    hidden_states = _rows_source(rows, perm, top_k)
+    if hidden_states is None:
+        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])")
+    ids, weights = strip_shape_ops(ids_flat), strip_shape_ops(flat_weights)
+    if shape(ids) is None or len(shape(ids)) != 2 or shape(weights) != shape(ids):
+        return no("routing ids and weights are not [T, k] tensors of the same shape")
+
+    gate_up, gate_up_out_in = _stacked_weight(gate_up_w)
+    down, down_out_in = _stacked_weight(down_w)
+    if len(shape(gate_up)) != 3 or len(shape(down)) != 3:
+        return no("expert weights are not stacked [E, ., .] tensors")
+    if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:
+        return no("the number of stacked experts differs from the histogram bins")
+    return ExpertsMatch(
+        form=FORM,
+        output=_final_output(out),
+        hidden=hidden_states,
+        ids=ids,
+        weights=weights,
+        num_experts=num_experts,
+        top_k=top_k,
+        activation=activation,
+        gate_up=ExpertWeights(stacked=gate_up, out_in=gate_up_out_in),
+        down=ExpertWeights(stacked=down, out_in=down_out_in),
+    )
+
+
+def _final_output(out: Node) -> Node:
+    """Include a trailing `.to(hidden dtype)` in the region: the fused call already returns that dtype."""
+    users = list(out.users)
+    if len(users) == 1 and is_cast(users[0]):
+        return users[0]
+    return out
+
+
+def _split_product(mul: Node) -> tuple[Node | None, Node | None]:
+    for a, b in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
+        a_src = strip_casts(a) if isinstance(a, Node) else None
+        if a_src is not None and is_grouped_mm(a_src) and isinstance(b, Node):
+            return a_src, b
+    return None, None
+
+
+def _inverse_of(inverse: Node) -> Node | None:
+    """perm when `inverse` is index_put(empty_like(perm), [perm], arange(S)) (or scatter of arange)."""
+    if is_call(inverse, aten.index_put.default) and len(inverse.args[1]) == 1:
+        base, (perm,), values = inverse.args[:3]
+        if is_call(values, aten.arange.default, aten.arange.start) and _is_like(base, perm):
+            return perm
+    if is_call(inverse, aten.argsort.default, aten.argsort.stable):
+        return inverse.args[0]
+    return None
+
+
+def _is_like(base: Node, perm: Node) -> bool:
+    return is_call(base, aten.empty_like.default, aten.zeros_like.default) and base.args[0] is perm
+
+
+def _gathered_by(node: Node, perm: Node) -> Node | None:
+    """w_flat when `node` is w_flat[perm] (possibly unsqueezed / cast)."""
+    node = strip_casts(node)
+    if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and node.args[1][0] is perm:
+        return node.args[0]
+    return None
+
+
+def _sort_of(perm: Node) -> Node | None:
+    if is_getitem(perm, 1) and is_call(perm.args[0], aten.sort.default, aten.sort.stable):
+        return perm.args[0]
+    return None
+
+
+def _offsets_source(offs: Node, perm: Node) -> Node | None:
+    """ids_flat when offs = cumsum(histc(sorted ids)) (or bincount) for the same sort as perm."""
+    sort = _sort_of(perm)
+    if sort is None or not is_call(offs, aten.cumsum.default):
+        return None
+    counts = strip_casts(offs.args[0])
+    if not is_call(counts, aten.histc.default, aten.bincount.default):
+        return None
+    sorted_ids = strip_casts(counts.args[0])
+    if not (is_getitem(sorted_ids, 0) and sorted_ids.args[0] is sort):
+        return None
+    return sort.args[0]
+
+
+def _offsets_bins(offs: Node) -> int | None:
+    counts = strip_casts(offs.args[0])
+    if is_call(counts, aten.histc.default):
+        bins, low, high = (list(counts.args[1:]) + [100, 0, 0])[:3]
+        bins = const_int(bins)
+        if bins is not None and low == 0 and high == bins - 1:
+            return bins
+        return None
+    return const_int(counts.kwargs.get("minlength", counts.args[2] if len(counts.args) > 2 else None))
+
+
+def _rows_source(rows: Node, perm: Node, top_k: int) -> Node | None:
+    """x when rows = x[perm // k] (x possibly cast to the weight dtype)."""
+    rows = strip_casts(rows)
+    if not (is_call(rows, aten.index.Tensor) and len(rows.args[1]) == 1):
+        return None
+    token_of_slot = rows.args[1][0]
+    if is_call(token_of_slot, aten.floor_divide.default, aten.div.Tensor_mode):
+        if token_of_slot.args[0] is perm and const_int(token_of_slot.args[1]) == top_k:
+            if is_call(token_of_slot, aten.div.Tensor_mode) and token_of_slot.kwargs.get(
+                "rounding_mode"
+            ) not in ("floor", "trunc"):
+                return None
+            return rows.args[0]
+    return None

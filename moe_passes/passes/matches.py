@@ -1,0 +1,77 @@
+"""The small records that pass between finding and rewriting.
+
+A finder either returns an `ExpertsMatch` (everything the rewrite needs, nothing more) or a `Decline`
+(why a candidate was left as it is). Finders never edit the graph; the rewrite never searches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.fx import Node
+
+
+@dataclass(frozen=True)
+class Decline:
+    """A candidate MoE region left untouched, with a reason a person can act on."""
+
+    form: str
+    reason: str
+    anchor: Node | None = None
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One weight role (gate, up, gate+up, down) for all experts.
+
+    Either `stacked` ([E, out, in] or [E, in, out]) or `per_expert` (one 2-D node per expert).
+    `out_in` says whether each expert's matrix is laid out [out, in] like `nn.Linear.weight`.
+    """
+
+    stacked: Node | None = None
+    per_expert: tuple[Node, ...] = ()
+    out_in: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.stacked is None) == (not self.per_expert):
+            raise ValueError("ExpertWeights needs exactly one of `stacked` or `per_expert`")
+
+    def nodes(self) -> tuple[Node, ...]:
+        return (self.stacked,) if self.stacked is not None else self.per_expert
+
+
+@dataclass(frozen=True)
+class RoutingInfo:
+    """How the top-k ids and weights feeding an expert region were produced (for the report)."""
+
+    kind: str  # "softmax_topk", "topk_softmax", or "opaque"
+    renormalized: bool | None = None
+    softmax_fp32: bool | None = None
+    num_experts: int | None = None
+
+
+@dataclass(frozen=True)
+class ExpertsMatch:
+    """An expert region that computes, for every token t: sum_j w[t,j] * MLP_{ids[t,j]}(x[t])."""
+
+    form: str
+    output: Node  # the node whose value the fused call replaces
+    hidden: Node  # x, [T, H] (or a view of it)
+    ids: Node  # [T, k] expert ids
+    weights: Node  # [T, k] routing weights
+    num_experts: int
+    top_k: int
+    activation: str
+    down: ExpertWeights
+    gate_up: ExpertWeights | None = None  # fused_weights: gate rows then up rows
+    gate: ExpertWeights | None = None  # default: separate gate and up
+    up: ExpertWeights | None = None
+    boundary: tuple[Node, ...] = field(default=())  # inputs of the region (not erased)
+
+    @property
+    def overload(self) -> str:
+        return "fused_weights" if self.gate_up is not None else "default"
+
+    def weight_nodes(self) -> tuple[Node, ...]:
+        roles = (self.gate_up, self.gate, self.up, self.down)
+        return tuple(n for role in roles if role is not None for n in role.nodes())

@@ -1,0 +1,138 @@
+"""Reading the gated MLP that every expert computes: down(act(gate(x)) * up(x)).
+
+Shared by the finders of every expert form: they differ in how tokens reach the experts and how the
+outputs are combined, not in the MLP itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import TRANSPOSE_OPS, const_int, is_call, is_getitem, shape, strip_shape_ops
+
+aten = torch.ops.aten
+
+# The activations the fused kernel implements (HPU_OP.md). Exact (erf) GELU is not among them: the
+# kernel's "gelu" is the tanh approximation.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "relu")
+
+
+def activation_of(node: Node) -> tuple[str | None, str]:
+    """(kernel activation name, description) for an activation node; name None when unsupported."""
+    if is_call(node, aten.silu):
+        return "silu", "silu"
+    if is_call(node, aten.relu):
+        return "relu", "relu"
+    if is_call(node, aten.gelu):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        if approximate == "tanh":
+            return "gelu", "gelu(tanh)"
+        return None, "gelu (exact erf; the kernel's gelu is the tanh approximation)"
+    name = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+    return None, name
+
+
+@dataclass(frozen=True)
+class GatedProduct:
+    """act(gate) * up, where gate and up are either halves of one projection or two projections."""
+
+    activation_node: Node
+    gate: Node  # the pre-activation gate values
+    up: Node
+
+
+# Unary ops an expert may use as its activation; only the first three are fusable, the others are
+# recognised so that the form can be declined with the activation named.
+_FUSABLE_ACTS = (aten.silu, aten.gelu, aten.relu)
+_OTHER_ACTS = (aten.sigmoid, aten.tanh, aten.elu, aten.leaky_relu, aten.mish, aten.hardswish, aten.hardsigmoid)
+
+
+def gated_product(node: Node) -> GatedProduct | None:
+    """Match mul(act(gate), up) in either operand order."""
+    node = strip_shape_ops(node)
+    if not is_call(node, aten.mul.Tensor) or not all(isinstance(a, Node) for a in node.args):
+        return None
+    pairs = ((node.args[0], node.args[1]), (node.args[1], node.args[0]))
+    for acts in (_FUSABLE_ACTS, _OTHER_ACTS):
+        for act, up in pairs:
+            act = strip_shape_ops(act)
+            if is_call(act, *acts):
+                return GatedProduct(act, strip_shape_ops(act.args[0]), strip_shape_ops(up))
+    return None
+
+
+def halves(gate: Node, up: Node) -> tuple[Node, int] | None:
+    """When gate and up are the first and second half of one tensor on the last dim: (tensor, I)."""
+    # chunk(2, -1) / split(I, -1) -> getitem 0 and 1 of one split node
+    if is_getitem(gate, 0) and is_getitem(up, 1) and gate.args[0] is up.args[0]:
+        split = gate.args[0]
+        if is_call(split, aten.split.Tensor, aten.split_with_sizes, aten.split_copy.Tensor) and _last_dim(
+            split, split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        ):
+            source = split.args[0]
+            width = shape(source)[-1]
+            pieces = split.args[1]
+            size = const_int(pieces) if not isinstance(pieces, list | tuple) else None
+            if isinstance(pieces, list | tuple) and len(pieces) == 2:
+                a, b = (const_int(p) for p in pieces)
+                size = a if a == b else None
+            if size is not None and const_int(width) == 2 * size:
+                return source, size
+        return None
+    # x[..., :I] and x[..., I:] -> two slices of the same tensor
+    if is_call(gate, aten.slice.Tensor) and is_call(up, aten.slice.Tensor) and gate.args[0] is up.args[0]:
+        source = gate.args[0]
+        width = const_int(shape(source)[-1])
+        g = _slice_bounds(gate, width)
+        u = _slice_bounds(up, width)
+        if g and u and _last_dim(gate, g[0]) and g[1:] == (0, width // 2) and u[1:] == (width // 2, width):
+            return source, width // 2
+    return None
+
+
+def _slice_bounds(node: Node, width: int | None) -> tuple[int, int, int] | None:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim, start, end, step = args[1] if args[1] is not None else 0, args[2], args[3], args[4]
+    start = 0 if start is None else const_int(start)
+    end = width if end is None else const_int(end)
+    if step not in (None, 1) or start is None or end is None or width is None:
+        return None
+    return dim, max(start, 0), min(end, width)
+
+
+def _last_dim(node: Node, dim) -> bool:
+    rank = len(shape(node.args[0]))
+    return dim in (-1, rank - 1)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """x @ W.T (out_in=True, W like nn.Linear.weight) or x @ W (out_in=False) for one 2-D weight."""
+
+    input: Node
+    weight: Node
+    out_in: bool
+
+
+def projection(node: Node) -> Projection | None:
+    """Match a bias-free linear layer on 2-D (or flattened) input: mm(x, t(W)) or mm(x, W)."""
+    node = strip_shape_ops(node)
+    if not is_call(node, aten.mm.default):
+        return None
+    x, w = node.args
+    if is_call(w, *TRANSPOSE_OPS) and _is_2d_swap(w):
+        return Projection(strip_shape_ops(x), w.args[0], True)
+    return Projection(strip_shape_ops(x), w, False)
+
+
+def _is_2d_swap(node: Node) -> bool:
+    if is_call(node, aten.t.default, aten.t_copy.default):
+        return True
+    if is_call(node, aten.transpose.int):
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    if is_call(node, aten.permute.default):
+        return list(node.args[1]) == [1, 0]
+    return False

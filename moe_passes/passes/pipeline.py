@@ -1,0 +1,130 @@
+"""The MoE fusion pass: run every finder, check each match, rewrite, clean up.
+
+Finders are independent (one module per expert form). Checks that hold for every form (nothing
+inside the region is used outside it, the router's width agrees with the experts held, token counts
+line up) live here once. Every candidate ends as a `Fused` or a `Declined` entry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..fx_utils import backward_slice, escaping_users, shape
+from ..report import Declined, Fused
+from . import experts_batched_mm, experts_dense_loop, experts_grouped_mm, routing
+from .matches import Decline, ExpertsMatch
+from .rewrite import rewrite_experts
+
+log = logging.getLogger(__name__)
+
+FINDERS = (experts_grouped_mm.find, experts_batched_mm.find, experts_dense_loop.find)
+
+
+def layer_name(node: Node | None) -> str:
+    """The module path a node came from (dynamo's nn_module_stack), e.g. "model.layers.0.mlp.experts"."""
+    if node is None:
+        return "<graph>"
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return node.name
+    path = list(stack.values())[-1][0]
+    for prefix in ("L['self'].", "L['self']", "L['fn'].", "L['mod']."):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    return path.replace("._modules['", ".").replace("']", "") or node.name
+
+
+def _layer_of(match: ExpertsMatch) -> str:
+    """Name the MoE block: the common module path of the region's output and the routing ids."""
+    out, ids = layer_name(match.output).split("."), layer_name(match.ids).split(".")
+    common = []
+    for a, b in zip(out, ids, strict=False):
+        if a != b:
+            break
+        common.append(a)
+    return ".".join(common) if len(common) > 1 else layer_name(match.output)
+
+
+def check(match: ExpertsMatch) -> str | None:
+    """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
+    boundary = {match.hidden, match.ids, match.weights, *match.weight_nodes()}
+    region = backward_slice(match.output, boundary)
+    escapes = escaping_users(region, match.output)
+    if escapes:
+        inside, outside = escapes[0]
+        return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
+    info = routing.describe(match.ids, match.weights)
+    if info.num_experts is not None and info.num_experts != match.num_experts:
+        return f"the router scores {info.num_experts} experts but the region holds {match.num_experts}"
+    hidden, ids = shape(match.hidden), shape(match.ids)
+    try:
+        tokens = 1
+        for d in hidden[:-1]:
+            tokens *= int(d)
+        if tokens != int(ids[0]) and len(ids) == 2:
+            return "the hidden states and the routing table hold different numbers of tokens"
+    except (TypeError, ValueError):
+        pass  # symbolic sizes: the fused op checks at run time
+    if match.top_k > match.num_experts:
+        return "top-k exceeds the number of experts"
+    return None
+
+
+def _routing_text(match: ExpertsMatch) -> str:
+    info = routing.describe(match.ids, match.weights)
+    if info.kind == "opaque":
+        return "opaque (ids and weights used as produced)"
+    parts = [info.kind]
+    if info.kind == "softmax_topk":
+        parts.append("renormalised" if info.renormalized else "not renormalised")
+    if info.softmax_fp32:
+        parts.append("fp32 softmax")
+    return ", ".join(parts)
+
+
+def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[Fused], list[Declined]]:
+    """Rewrite every MoE region of `gm` in place; returns what was fused and what was declined."""
+    fused: list[Fused] = []
+    declined: list[Declined] = []
+    seen_outputs: set[Node] = set()
+    candidates = [c for find in FINDERS for c in find(gm.graph)]
+    matches = [c for c in candidates if isinstance(c, ExpertsMatch)]
+    matched_anchors = {m.output for m in matches} | {a for m in matches for a in m.output.all_input_nodes}
+    for candidate in candidates:
+        if isinstance(candidate, Decline):
+            if candidate.anchor in matched_anchors:
+                continue  # another finder matched this region
+            declined.append(Declined(layer_name(candidate.anchor), candidate.form, candidate.reason, graph_index))
+            continue
+        if candidate.output in seen_outputs:
+            continue
+        seen_outputs.add(candidate.output)
+        reason = check(candidate)
+        name = _layer_of(candidate)
+        if reason is not None:
+            declined.append(Declined(name, candidate.form, reason, graph_index))
+            continue
+        node = rewrite_experts(gm.graph, candidate, target)
+        fused.append(
+            Fused(
+                layer=name,
+                form=candidate.form,
+                num_experts=candidate.num_experts,
+                top_k=candidate.top_k,
+                activation=candidate.activation,
+                overload=str(node.target.name()),
+                target=target,
+                routing=_routing_text(candidate),
+                graph=graph_index,
+            )
+        )
+        log.debug("fused %s (%s) into %s", name, candidate.form, node.target)
+    if fused:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return fused, declined

@@ -1,0 +1,129 @@
+"""Evaluating a small pure sub-graph on concrete probe tensors.
+
+Dense expert loops compute each expert's routing weight with index and mask arithmetic (a column of
+`zeros(T, E).scatter_(ids, w)`, or `(w * (ids == e)).sum(-1)`, through views and permutes). Rather than
+pattern-match every spelling, the finder checks what such a sub-graph computes: it runs the few
+index/mask ops on probe inputs and compares the result with the column the fused kernel uses.
+Only deterministic index, mask and shape ops are allowed, so equal results on distinct probes mean the
+same function for routing tensors of that shape.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, is_cast
+
+aten = torch.ops.aten
+
+PROBE_OPS = SHAPE_ONLY_OPS | TRANSPOSE_OPS | {
+    aten.select.int,
+    aten.slice.Tensor,
+    aten.index.Tensor,
+    aten.eq.Scalar,
+    aten.eq.Tensor,
+    aten.mul.Tensor,
+    aten.where.self,
+    aten.where.ScalarOther,
+    aten.sum.dim_IntList,
+    aten.scatter.src,
+    aten.scatter.value,
+    aten.zeros.default,
+    aten.zeros_like.default,
+    aten.full.default,
+    aten.full_like.default,
+    aten.new_zeros.default,
+    aten.scalar_tensor.default,
+    aten.lift_fresh_copy.default,
+    aten._to_copy.default,
+    operator.getitem,
+}
+
+
+class NotProbeable(Exception):
+    """The sub-graph uses an op outside the probe set (so the finder cannot vouch for it)."""
+
+
+def _concrete(value):
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        hint = getattr(value.node, "hint", None)
+        if hint is None:
+            raise NotProbeable(f"symbolic value {value} has no hint")
+        return type(hint)(hint)
+    return value
+
+
+def _concrete_args(args, env: dict):
+    def lookup(node: Node):
+        if node in env:
+            return env[node]
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool | int | float):
+            return _concrete(value)
+        raise NotProbeable(f"{node.name} is outside the probed sub-graph")
+
+    mapped = map_arg(args, lookup)
+    return torch.utils._pytree.tree_map(_concrete, mapped)
+
+
+def evaluate(nodes: list[Node], env: dict) -> dict:
+    """Run `nodes` (in graph order) with `env` holding the values of their inputs."""
+    env = dict(env)
+    for node in nodes:
+        if node in env:
+            continue
+        if node.op != "call_function" or (node.target not in PROBE_OPS and not is_cast(node)):
+            raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
+        if node.target in (aten.full.default, aten.zeros.default, aten.new_zeros.default):
+            kwargs = {**_concrete_args(node.kwargs, env), "device": "cpu"}
+        else:
+            kwargs = _concrete_args(node.kwargs, env)
+        env[node] = node.target(*_concrete_args(node.args, env), **kwargs)
+    return env
+
+
+def slice_between(output: Node, inputs: set[Node]) -> list[Node]:
+    """Nodes on paths from `inputs` to `output` (inclusive of output), in graph order."""
+    seen: set[Node] = set()
+    stack = [output]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in inputs:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(output.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _small_integers(shape, generator, dtype) -> torch.Tensor:
+    """Values 1..120: exact in every float dtype, so probe comparisons can be exact."""
+    return torch.randint(1, 121, shape, generator=generator).to(dtype)
+
+
+def routing_probes(tokens: int, top_k: int, num_experts: int, weight_dtype: torch.dtype, count: int = 3):
+    """Distinct-per-row ids (what top-k yields) and small positive weights, for `count` seeds."""
+    probes = []
+    for seed in range(count):
+        generator = torch.Generator().manual_seed(1234 + seed)
+        rows = [torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]
+        ids = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)
+        probes.append((ids, _small_integers((tokens, top_k), generator, weight_dtype)))
+    return probes
+
+
+def column_probes(tokens: int, num_experts: int, dtype: torch.dtype, count: int = 3):
+    """Probe [T, E] tables standing in for the padded per-expert weights."""
+    return [
+        _small_integers((tokens, num_experts), torch.Generator().manual_seed(99 + seed), dtype)
+        for seed in range(count)
+    ]
+
+
+def padded_columns(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The kernel's per-expert weights: zeros(T, E).scatter_(-1, ids, w)."""
+    return torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype).scatter_(-1, ids, weights)

@@ -1,0 +1,108 @@
+"""Replace one matched expert region by one fused MoE call.
+
+The call is inserted just before the region's output (every input of the call is an ancestor of that
+output, so it dominates the insertion point); the region's intermediate nodes become dead and are
+removed by dead-code elimination afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+from torch.fx.node import map_arg
+
+from .. import lowering
+from ..fx_utils import dtype, shape, val
+from .matches import ExpertsMatch, ExpertWeights
+
+aten = torch.ops.aten
+
+
+class _Emitter:
+    """Creates nodes with fake values, so later passes and backends see shapes and dtypes."""
+
+    def __init__(self, graph: Graph, fake_mode):
+        self.graph = graph
+        self.fake_mode = fake_mode
+
+    def call(self, target, args=(), kwargs=None) -> Node:
+        kwargs = kwargs or {}
+        node = self.graph.call_function(target, args, kwargs)
+        with self.fake_mode:
+            node.meta["val"] = target(*map_arg(args, val), **map_arg(kwargs, val))
+        return node
+
+    def getitems(self, node: Node, count: int) -> list[Node]:
+        import operator
+
+        items = []
+        for i in range(count):
+            item = self.graph.call_function(operator.getitem, (node, i))
+            item.meta["val"] = node.meta["val"][i]
+            items.append(item)
+        return items
+
+
+def _weight_list(emit: _Emitter, weights: ExpertWeights, want_out_in: bool) -> list[Node]:
+    """One 2-D node per expert, laid out [out, in] when `want_out_in` (views, never copies)."""
+    if weights.stacked is not None:
+        stacked = weights.stacked
+        if weights.out_in != want_out_in:
+            stacked = emit.call(aten.transpose.int, (stacked, -2, -1))
+        count = shape(stacked)[0]
+        return emit.getitems(emit.call(aten.unbind.int, (stacked, 0)), int(count))
+    nodes = list(weights.per_expert)
+    if weights.out_in != want_out_in:
+        nodes = [emit.call(aten.t.default, (n,)) for n in nodes]
+    return nodes
+
+
+def _as_2d(emit: _Emitter, node: Node, last: int) -> Node:
+    if len(shape(node)) == 2:
+        return node
+    return emit.call(aten.reshape.default, (node, [-1, last]))
+
+
+def _cast(emit: _Emitter, node: Node, to: torch.dtype) -> Node:
+    if dtype(node) == to:
+        return node
+    return emit.call(aten._to_copy.default, (node,), {"dtype": to})
+
+
+def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
+    """Emit the fused call for `match` and route the region's users to it; returns the fused node."""
+    fake_mode = detect_fake_mode([val(match.output)])
+    emit = _Emitter(graph, fake_mode)
+    roles = [r for r in (match.gate_up, match.gate, match.up, match.down) if r is not None]
+    permuted = any(r.out_in for r in roles)
+
+    with graph.inserting_before(match.output):
+        hidden_shape = shape(match.hidden)
+        x = _as_2d(emit, match.hidden, hidden_shape[-1])
+        ids = _cast(emit, _as_2d(emit, match.ids, match.top_k), torch.int64)
+        weights = _cast(emit, _as_2d(emit, match.weights, match.top_k), dtype(x))
+        values = {
+            "hidden_states": x,
+            "expert_routing_table": ids,
+            "router_weights": weights,
+            "w3": _weight_list(emit, match.down, permuted),
+            "permuted_weights": permuted,
+            "activation": match.activation,
+            "experts_min": 0,
+            "experts_max": match.num_experts - 1,
+        }
+        if match.gate_up is not None:
+            values["w12"] = _weight_list(emit, match.gate_up, permuted)
+        else:
+            values["w1"] = _weight_list(emit, match.gate, permuted)
+            values["w2"] = _weight_list(emit, match.up, permuted)
+        op = lowering.fused_overload(target, match.overload)
+        args, kwargs = lowering.call_arguments(op, values)
+        fused = emit.call(op, args, kwargs)
+        result = fused
+        if shape(match.output) != shape(fused):
+            result = emit.call(aten.reshape.default, (result, list(val(match.output).shape)))
+        result = _cast(emit, result, dtype(match.output))
+    match.output.replace_all_uses_with(result)
+    return fused
