@@ -19,6 +19,11 @@ def explain(model_or_fn, *args, options: dict | None = None, **kwargs) -> Report
 
     Resets dynamo's caches first so that the counts describe this call alone.
     """
+    return explain_and_run(model_or_fn, *args, options=options, **kwargs)[0]
+
+
+def explain_and_run(model_or_fn, *args, options: dict | None = None, **kwargs):
+    """`explain`, also returning the compiled call's output (for checks against the eager model)."""
     if not callable(model_or_fn):
         raise TypeError(f"explain needs a module or a function, got {type(model_or_fn).__name__}")
     opts = Options.parse(options)
@@ -28,7 +33,7 @@ def explain(model_or_fn, *args, options: dict | None = None, **kwargs) -> Report
     functools.update_wrapper(backend, hpu_moe)
     compiled = torch.compile(model_or_fn, backend=backend)
     with collecting() as collector, torch.no_grad():
-        compiled(*args, **kwargs)
+        output = compiled(*args, **kwargs)
     breaks = dict(counters["graph_break"])
     report = Report(
         graph_count=len(collector.records),
@@ -43,4 +48,4 @@ def explain(model_or_fn, *args, options: dict | None = None, **kwargs) -> Report
         report.declined.extend(record.declined)
         if record.fallback:
             report.fallbacks.append(f"graph {record.index}: {record.fallback}")
-    return report
+    return report, output

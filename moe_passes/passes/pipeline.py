@@ -12,7 +12,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import backward_slice, escaping_users, shape
+from ..fx_utils import backward_slice, escaping_users, shape, strip_casts
 from ..report import Declined, Fused
 from . import experts_batched_mm, experts_dense_loop, experts_grouped_mm, routing
 from .matches import Decline, ExpertsMatch
@@ -29,13 +29,14 @@ def layer_name(node: Node | None) -> str:
         return "<graph>"
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return node.name
-    path = list(stack.values())[-1][0]
-    for prefix in ("L['self'].", "L['self']", "L['fn'].", "L['mod']."):
+        return "<top level>"
+    path, module_type = list(stack.values())[-1][:2]
+    for prefix in ("L['self'].", "L['self']", "L['fn'].", "L['mod'].", "L['mod']"):
         if path.startswith(prefix):
             path = path[len(prefix) :]
             break
-    return path.replace("._modules['", ".").replace("']", "") or node.name
+    path = path.replace("._modules['", ".").replace("']", "")
+    return path or getattr(module_type, "__name__", str(module_type))
 
 
 def _layer_of(match: ExpertsMatch) -> str:
@@ -52,7 +53,8 @@ def _layer_of(match: ExpertsMatch) -> str:
 def check(match: ExpertsMatch) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
     boundary = {match.hidden, match.ids, match.weights, *match.weight_nodes()}
-    region = backward_slice(match.output, boundary)
+    # Views and casts of the region's inputs are aliases of those inputs, free to be shared.
+    region = {n for n in backward_slice(match.output, boundary) if strip_casts(n) not in boundary}
     escapes = escaping_users(region, match.output)
     if escapes:
         inside, outside = escapes[0]

@@ -82,21 +82,19 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         x = _as_2d(emit, match.hidden, hidden_shape[-1])
         ids = _cast(emit, _as_2d(emit, match.ids, match.top_k), torch.int64)
         weights = _cast(emit, _as_2d(emit, match.weights, match.top_k), dtype(x))
-        values = {
-            "hidden_states": x,
-            "expert_routing_table": ids,
-            "router_weights": weights,
-            "w3": _weight_list(emit, match.down, permuted),
-            "permuted_weights": permuted,
-            "activation": match.activation,
-            "experts_min": 0,
-            "experts_max": match.num_experts - 1,
-        }
+        values = {"hidden_states": x, "expert_routing_table": ids, "router_weights": weights}
         if match.gate_up is not None:
             values["w12"] = _weight_list(emit, match.gate_up, permuted)
         else:
             values["w1"] = _weight_list(emit, match.gate, permuted)
             values["w2"] = _weight_list(emit, match.up, permuted)
+        values["w3"] = _weight_list(emit, match.down, permuted)
+        values.update(
+            permuted_weights=permuted,
+            activation=match.activation,
+            experts_min=0,
+            experts_max=match.num_experts - 1,
+        )
         op = lowering.fused_overload(target, match.overload)
         args, kwargs = lowering.call_arguments(op, values)
         fused = emit.call(op, args, kwargs)

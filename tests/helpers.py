@@ -1,0 +1,55 @@
+"""Shared test helpers: compile with hpu_moe, keep the graphs the inner backend received, count ops."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from moe_passes.explain import explain_and_run
+from moe_passes.printer import is_fused_moe
+
+# Output tolerance per dtype (atol, rtol) for rewritten vs unrewritten models.
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (1e-2, 1e-2)}
+
+
+class RecordingInner:
+    """An inner backend that keeps every graph it is handed, then compiles it with `then`."""
+
+    def __init__(self, then: str = "eager"):
+        self.then = then
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.__name__ = f"recording({then})"
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.graphs.append(gm)
+        return lookup_backend(self.then)(gm, example_inputs)
+
+    def fused_nodes(self) -> list[torch.fx.Node]:
+        return [n for gm in self.graphs for n in gm.graph.nodes if is_fused_moe(n)]
+
+
+def run_hpu_moe(model, inputs, inner: str = "eager", **options):
+    """(report, output, recorder) for one compile-and-run of `model` with the hpu_moe backend."""
+    recorder = RecordingInner(inner)
+    report, output = explain_and_run(model, *inputs, options={"inner": recorder, **options})
+    return report, output, recorder
+
+
+def eager_output(model, inputs):
+    with torch.no_grad():
+        return model(*inputs)
+
+
+def first_tensor(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    return next(t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
+def assert_close_for_dtype(actual, expected):
+    actual, expected = first_tensor(actual), first_tensor(expected)
+    atol, rtol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    return (actual.float() - expected.float()).abs().max().item()
