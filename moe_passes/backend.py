@@ -51,7 +51,9 @@ def _needs_grad(example_inputs) -> bool:
     )
 
 
-def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, target: str, record: GraphRecord):
+def rewrite_graph(
+    gm: torch.fx.GraphModule, example_inputs, options: Options, target: str, record: GraphRecord
+):
     """The canonical graph with every fusable MoE layer rewritten, or None to keep `gm` as captured."""
     canonical = to_canonical_aten(gm, example_inputs)
     fused, declined = fuse_moe(canonical, target, record.index)
@@ -62,7 +64,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, ta
         error = verify_rewrite(gm, canonical, example_inputs)
         if error is not None:
             record.declined.extend(
-                Declined(f.layer, f.form, f"numerical verification failed: {error}", record.index) for f in fused
+                Declined(f.layer, f.form, f"numerical verification failed: {error}", record.index)
+                for f in fused
             )
             return None
     record.fused.extend(fused)
@@ -94,7 +97,9 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             log.warning("hpu_moe fell back to the captured graph", exc_info=True)
     publish(record)
     for f in record.fused:
-        log.info("fused %s (%s, %d experts, top-%d) -> %s", f.layer, f.form, f.num_experts, f.top_k, f.overload)
+        log.info(
+            "fused %s (%s, %d experts, top-%d) -> %s", f.layer, f.form, f.num_experts, f.top_k, f.overload
+        )
     for d in record.declined:
         log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
     return compiler(graph, example_inputs, **({"mode": mode} if mode and _accepts_mode(compiler) else {}))

@@ -44,6 +44,7 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     if fake_mode is None:
         fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     args = fake_inputs(example_inputs, fake_mode)
+
     def run(*flat):
         # Running node by node under preserve_node_meta carries dynamo's nn_module_stack and stack
         # traces onto the ATen nodes, which is how reports name the layer each rewrite came from.

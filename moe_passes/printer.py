@@ -82,7 +82,9 @@ def format_graph(gm: GraphModule | torch.fx.Graph, keep=None) -> str:
     namer, lines = _Namer(), []
     unbound = _unbind_items(graph)
     printed = [
-        n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in unbound and (keep is None or keep(n))
+        n
+        for n in graph.nodes
+        if n.op not in ("placeholder", "output") and n not in unbound and (keep is None or keep(n))
     ]
     printed_set = set(printed)
     for node in graph.nodes:
@@ -144,10 +146,14 @@ def format_fused_calls(gm: GraphModule, depth: int = 2) -> str:
             for _ in range(depth + 1):
                 keep.update(frontier)
                 frontier = [p for n in frontier for p in n.all_input_nodes if p.op == "call_function"]
-    return format_graph(gm, keep=lambda n: n in keep and n.target is not operator.getitem or _is_unbind(n, keep))
+    return format_graph(
+        gm, keep=lambda n: n in keep and n.target is not operator.getitem or _is_unbind(n, keep)
+    )
 
 
 def _is_unbind(node: Node, keep: set[Node]) -> bool:
-    return node in keep and node.target is operator.getitem and not (
-        getattr(node.args[0].target, "overloadpacket", None) is torch.ops.aten.unbind
+    return (
+        node in keep
+        and node.target is operator.getitem
+        and getattr(node.args[0].target, "overloadpacket", None) is not torch.ops.aten.unbind
     )

@@ -60,7 +60,12 @@ def verify_rewrite(captured, rewritten, example_inputs) -> str | None:
         example_inputs = [int(v) if isinstance(v, torch.SymInt) else v for v in example_inputs]
     inputs = _verification_inputs(example_inputs)
     with torch.no_grad():
-        expected = captured(*[v.clone() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) else v for v in inputs])
+        expected = captured(
+            *[
+                v.clone() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) else v
+                for v in inputs
+            ]
+        )
         actual = rewritten(*inputs)
     worst, ok = max_error(expected, actual)
     return None if ok else f"max abs error {worst:.3g} exceeds the tolerance for the output dtype"

@@ -31,6 +31,7 @@ class RecordingInner:
 def run_hpu_moe(model, inputs, inner: str = "eager", **options):
     """(report, output, recorder) for one compile-and-run of `model` with the hpu_moe backend."""
     recorder = RecordingInner(inner)
+    options.setdefault("target", "portable")
     report, output = explain_and_run(model, *inputs, options={"inner": recorder, **options})
     return report, output, recorder
 

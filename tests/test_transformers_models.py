@@ -14,8 +14,15 @@ LAYERS = 3
 
 def mixtral(implementation: str, dtype: torch.dtype):
     config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         experts_implementation=implementation,
     )
     return transformers.MixtralForCausalLM(config)
@@ -23,9 +30,18 @@ def mixtral(implementation: str, dtype: torch.dtype):
 
 def qwen3_moe(implementation: str, dtype: torch.dtype):
     config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-        num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, experts_implementation=implementation,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        experts_implementation=implementation,
     )
     return transformers.Qwen3MoeForCausalLM(config)
 

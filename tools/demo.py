@@ -62,7 +62,11 @@ def main(argv=None) -> int:
         error = (output.float() - reference.float()).abs().max().item()
         print(f"\nnumerical check: max |rewritten - unrewritten eager| = {error:.3g}")
 
-        variants = {"eager (unrewritten)": model, f"{args.inner} (unrewritten)": plain, f"hpu_moe+{args.inner}": rewritten}
+        variants = {
+            "eager (unrewritten)": model,
+            f"{args.inner} (unrewritten)": plain,
+            f"hpu_moe+{args.inner}": rewritten,
+        }
         for fn in variants.values():  # warm up caches and threads
             _time(fn, inputs, 3)
         samples = {name: [] for name in variants}
@@ -75,8 +79,10 @@ def main(argv=None) -> int:
     for name, median in medians.items():
         print(f"  {name:28s} {median * 1e3:8.2f} ms   speed-up vs eager {base / median:5.2f}x")
     fused_key = f"hpu_moe+{args.inner}"
-    print(f"  ratio hpu_moe+{args.inner} / {args.inner} (unrewritten): "
-          f"{medians[f'{args.inner} (unrewritten)'] / medians[fused_key]:.2f}x faster")
+    print(
+        f"  ratio hpu_moe+{args.inner} / {args.inner} (unrewritten): "
+        f"{medians[f'{args.inner} (unrewritten)'] / medians[fused_key]:.2f}x faster"
+    )
     return 0 if report.fused else 1
 
 

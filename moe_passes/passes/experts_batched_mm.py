@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, within, is_call, is_cast, shape, strip_casts, strip_shape_ops
+from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_shape_ops, within
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import activation_of, gated_product, halves
 
@@ -74,7 +74,9 @@ def _repeated_rows(rows: Node, top_k: int) -> Node | None:
 
 def _first_expand(node: Node) -> Node:
     """Walk view/clone ops down to the expand that implements repeat_interleave (keeps the expand)."""
-    while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
+    while is_call(
+        node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default
+    ):
         node = node.args[0]
     return node
 

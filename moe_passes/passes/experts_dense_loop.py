@@ -56,7 +56,9 @@ def _read_mlp(node: Node) -> dict | None:
         fused = projection(split[0])
         if fused is None:
             return None
-        return dict(hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=activation, desc=desc)
+        return dict(
+            hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=activation, desc=desc
+        )
     gate, up = projection(product.gate), projection(product.up)
     if gate is None or up is None or gate.input is not up.input:
         return None
@@ -170,9 +172,13 @@ def match_at(root: Node, terms: list[ExpertTerm]) -> ExpertsMatch | Decline:
         return no("some experts' outputs are summed without a routing weight")
     activations = {t.activation_desc for t in terms}
     if len(activations) > 1:
-        return no(f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one")
+        return no(
+            f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one"
+        )
     if terms[0].activation is None:
-        return no(f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)")
+        return no(
+            f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)"
+        )
     hidden = {t.hidden for t in terms}
     if len(hidden) != 1:
         return no("experts do not all read the same hidden states")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, within, is_call, is_cast, is_getitem, shape, strip_casts, strip_shape_ops
+from ..fx_utils import const_int, is_call, is_cast, is_getitem, shape, strip_casts, strip_shape_ops, within
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import activation_of, gated_product, halves
 
@@ -38,7 +38,10 @@ def is_grouped_mm(node: object) -> bool:
     if not isinstance(node, Node) or node.op != "call_function":
         return False
     name = getattr(node.target, "name", lambda: "")()
-    return node.target in _grouped_mm_targets() or name in ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+    return node.target in _grouped_mm_targets() or name in (
+        "aten::_grouped_mm",
+        "transformers::grouped_mm_fallback",
+    )
 
 
 def _grouped_args(node: Node) -> tuple[Node, Node, Node] | None:

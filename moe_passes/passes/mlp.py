@@ -47,7 +47,15 @@ class GatedProduct:
 # Unary ops an expert may use as its activation; only the first three are fusable, the others are
 # recognised so that the form can be declined with the activation named.
 _FUSABLE_ACTS = (aten.silu, aten.gelu, aten.relu)
-_OTHER_ACTS = (aten.sigmoid, aten.tanh, aten.elu, aten.leaky_relu, aten.mish, aten.hardswish, aten.hardsigmoid)
+_OTHER_ACTS = (
+    aten.sigmoid,
+    aten.tanh,
+    aten.elu,
+    aten.leaky_relu,
+    aten.mish,
+    aten.hardswish,
+    aten.hardsigmoid,
+)
 
 
 def gated_product(node: Node) -> GatedProduct | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch.fx import GraphModule, Node
 
 from ..fx_utils import backward_slice, escaping_users, shape, strip_casts
@@ -100,7 +99,9 @@ def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[F
         if isinstance(candidate, Decline):
             if candidate.anchor in matched_anchors:
                 continue  # another finder matched this region
-            declined.append(Declined(layer_name(candidate.anchor), candidate.form, candidate.reason, graph_index))
+            declined.append(
+                Declined(layer_name(candidate.anchor), candidate.form, candidate.reason, graph_index)
+            )
             continue
         if candidate.output in seen_outputs:
             continue

@@ -20,28 +20,32 @@ from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, is_cast
 
 aten = torch.ops.aten
 
-PROBE_OPS = SHAPE_ONLY_OPS | TRANSPOSE_OPS | {
-    aten.select.int,
-    aten.slice.Tensor,
-    aten.index.Tensor,
-    aten.eq.Scalar,
-    aten.eq.Tensor,
-    aten.mul.Tensor,
-    aten.where.self,
-    aten.where.ScalarOther,
-    aten.sum.dim_IntList,
-    aten.scatter.src,
-    aten.scatter.value,
-    aten.zeros.default,
-    aten.zeros_like.default,
-    aten.full.default,
-    aten.full_like.default,
-    aten.new_zeros.default,
-    aten.scalar_tensor.default,
-    aten.lift_fresh_copy.default,
-    aten._to_copy.default,
-    operator.getitem,
-}
+PROBE_OPS = (
+    SHAPE_ONLY_OPS
+    | TRANSPOSE_OPS
+    | {
+        aten.select.int,
+        aten.slice.Tensor,
+        aten.index.Tensor,
+        aten.eq.Scalar,
+        aten.eq.Tensor,
+        aten.mul.Tensor,
+        aten.where.self,
+        aten.where.ScalarOther,
+        aten.sum.dim_IntList,
+        aten.scatter.src,
+        aten.scatter.value,
+        aten.zeros.default,
+        aten.zeros_like.default,
+        aten.full.default,
+        aten.full_like.default,
+        aten.new_zeros.default,
+        aten.scalar_tensor.default,
+        aten.lift_fresh_copy.default,
+        aten._to_copy.default,
+        operator.getitem,
+    }
+)
 
 
 class NotProbeable(Exception):
