@@ -155,7 +155,13 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
             term = _read_term(node)
             if term is not None:
                 terms[node] = term
-    return [match_at(root, [terms[n] for n in leaves]) for root, leaves in _accumulations(graph, terms)]
+    results = []
+    for root, leaves in _accumulations(graph, terms):
+        members = [terms[n] for n in leaves]
+        if all(t.coefficient is None and t.input_scaled_by is None for t in members):
+            continue  # a sum of plain MLPs (e.g. parallel dense MLPs) is not an MoE candidate
+        results.append(match_at(root, members))
+    return results
 
 
 def match_at(root: Node, terms: list[ExpertTerm]) -> ExpertsMatch | Decline:
