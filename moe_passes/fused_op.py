@@ -1,17 +1,24 @@
 """The portable twin of the Gaudi fused MoE kernel: `torch.ops.moe_passes.mixture_of_experts`.
 
-Same overloads, schemas and semantics as `hpu::mixture_of_experts` (see the project's op contract), so
-the rewrite can target it off Gaudi and every behaviour can be tested on CPU and CUDA. The kernel
-computes only routed (token, expert) pairs: pairs are sorted by expert once, counted with one host
-sync, and each expert that received tokens runs its MLP on exactly those rows. Fake kernels make the op
-flow through dynamo, AOTAutograd and inductor.
+Why it exists: off Gaudi there is no `torch.ops.hpu.mixture_of_experts`, yet the rewrite must still
+have a target, and every behaviour of the rewrite must be testable on CPU and CUDA. This op has the
+same overloads, schemas and semantics as the bridge's (see the project's op contract), so a graph
+rewritten for one runs on the other.
+
+The kernel computes only routed (token, expert) pairs: the pairs are sorted by expert once, counted
+with one host sync, and each expert that received tokens runs its MLP on exactly those rows; the
+weighted results are summed in float32. Fake kernels let the op flow through dynamo, AOTAutograd and
+inductor as one opaque, functional call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
 import torch
 import torch.nn.functional as F
 
+NAMESPACE = "moe_passes"
 ACTIVATIONS = ("silu", "gelu", "relu")
 
 SCHEMAS = {
@@ -27,171 +34,244 @@ SCHEMAS = {
     "int total_experts=0, float alpha=1.702, float limit=7.0) -> Tensor",
 }
 
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
-def _activation(name: str):
+
+class MoEInputError(ValueError):
+    """Inputs the fused MoE op cannot accept; the message names the argument at fault."""
+
+    def __init__(self, message: str):
+        super().__init__(f"mixture_of_experts: {message}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation: the bridge rejects these inputs too, so fail early with a message that names the culprit.
+
+
+def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation applied to the gate projection; "gelu" is the tanh form, as in the Gaudi kernel."""
     if name == "silu":
         return F.silu
     if name == "relu":
         return F.relu
-    if name == "gelu":  # the Gaudi kernel's gelu is the tanh approximation
+    if name == "gelu":
         return lambda t: F.gelu(t, approximate="tanh")
-    raise ValueError(f"mixture_of_experts: activation must be one of {ACTIVATIONS}, got {name!r}")
+    raise MoEInputError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
-def _check_inputs(hidden_states, table, router_weights, weight_lists, experts_min, experts_max):
+def _check_routing(hidden_states: torch.Tensor, table: torch.Tensor, router_weights: torch.Tensor) -> None:
     if hidden_states.dim() != 2:
-        raise ValueError(
-            f"mixture_of_experts: hidden_states must be [T, H], got {tuple(hidden_states.shape)}"
-        )
+        raise MoEInputError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
+    if not hidden_states.is_floating_point():
+        raise MoEInputError(f"hidden_states must be floating point, got {hidden_states.dtype}")
     if table.dim() != 2 or table.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"mixture_of_experts: expert_routing_table must be [T, k] with T={hidden_states.shape[0]}, "
-            f"got {tuple(table.shape)}"
+        raise MoEInputError(
+            f"expert_routing_table must be [T, k] with T={hidden_states.shape[0]}, got shape {tuple(table.shape)}"
         )
     if table.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"mixture_of_experts: expert_routing_table must be int64 or int32, got {table.dtype}"
-        )
+        raise MoEInputError(f"expert_routing_table must hold int64 (or int32) expert ids, got {table.dtype}")
     if router_weights.shape != table.shape:
-        raise ValueError(
-            f"mixture_of_experts: router_weights {tuple(router_weights.shape)} must match the routing table "
-            f"{tuple(table.shape)}"
+        raise MoEInputError(
+            f"router_weights has shape {tuple(router_weights.shape)} but the routing table has "
+            f"{tuple(table.shape)}; they must match"
         )
+    if not router_weights.is_floating_point():
+        raise MoEInputError(f"router_weights must be floating point, got {router_weights.dtype}")
+
+
+def _expert_count(experts_min: int, experts_max: int) -> int:
     count = experts_max - experts_min + 1
-    if count < 1:
-        raise ValueError(f"mixture_of_experts: empty expert range [{experts_min}, {experts_max}]")
-    for name, weights in weight_lists.items():
-        if len(weights) != count:
-            raise ValueError(
-                f"mixture_of_experts: {name} holds {len(weights)} experts but the range "
-                f"[{experts_min}, {experts_max}] holds {count}"
-            )
-        shapes = {tuple(w.shape) for w in weights}
-        if len(shapes) != 1 or len(next(iter(shapes))) not in (1, 2):
-            raise ValueError(
-                f"mixture_of_experts: every tensor of {name} must share one 2-D shape, got {shapes}"
-            )
+    if experts_min < 0 or count < 1:
+        raise MoEInputError(f"expert range [{experts_min}, {experts_max}] (inclusive) is empty or negative")
+    return count
 
 
-def _routed_groups(table: torch.Tensor, router_weights: torch.Tensor, experts_min: int, count: int):
-    """Yield (local expert, token rows, weights) for each expert in range that received tokens."""
+def _check_list(
+    name: str, tensors: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, count: int
+) -> None:
+    """Every tensor of one list: the expected shape and dtype, one per expert of the range."""
+    if len(tensors) != count:
+        raise MoEInputError(
+            f"{name} holds {len(tensors)} tensors but the expert range holds {count} experts "
+            "(experts_max - experts_min + 1)"
+        )
+    for index, tensor in enumerate(tensors):
+        if tuple(tensor.shape) != shape:
+            raise MoEInputError(f"{name}[{index}] has shape {tuple(tensor.shape)}, expected {shape}")
+        if tensor.dtype != dtype:
+            raise MoEInputError(f"{name}[{index}] is {tensor.dtype}, expected the hidden dtype {dtype}")
+
+
+def _layout(out_features: int, in_features: int, permuted: bool) -> tuple[int, int]:
+    """A weight's shape: [out, in] when permuted (like nn.Linear.weight), else [in, out]."""
+    return (out_features, in_features) if permuted else (in_features, out_features)
+
+
+def _intermediate_size(name: str, weight: torch.Tensor, hidden: int, permuted: bool, parts: int) -> int:
+    """The intermediate size I read off the first gate (or fused gate/up) weight."""
+    if weight.dim() != 2:
+        raise MoEInputError(f"{name}[0] must be 2-D, got shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape if permuted else weight.shape[::-1]
+    if in_features != hidden or out_features % parts:
+        layout = "[out, in]" if permuted else "[in, out]"
+        raise MoEInputError(
+            f"{name}[0] has shape {tuple(weight.shape)}; with permuted_weights={permuted} it must be "
+            f"{layout} with in = hidden size {hidden}" + (" and an even out size" if parts > 1 else "")
+        )
+    return out_features // parts
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel: group the routed pairs by expert, run each routed expert once on its rows.
+
+
+def _routed_groups(
+    table: torch.Tensor, router_weights: torch.Tensor, experts_min: int, count: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(local expert, token rows, router weights) for each expert of the range that received tokens.
+
+    Ids outside the range go to one extra bucket that is never run, so nothing but the counts
+    leaves the device.
+    """
     top_k = table.shape[1]
     local = table.reshape(-1).long() - experts_min
-    in_range = (local >= 0) & (local < count)
-    slots = torch.nonzero(in_range).squeeze(-1)
-    local = local[slots]
+    outside = (local < 0) | (local >= count)
+    local = local.masked_fill(outside, count)
     order = torch.argsort(local, stable=True)
-    slots, local = slots[order], local[order]
-    counts = torch.bincount(local, minlength=count).tolist()  # the one host sync
+    counts = torch.bincount(local, minlength=count + 1).tolist()  # the one host sync
     flat_weights = router_weights.reshape(-1)
     start = 0
-    for expert, n in enumerate(counts):
-        if n:
-            chosen = slots[start : start + n]
-            yield expert, chosen // top_k, flat_weights[chosen]
-        start += n
+    for expert, routed in enumerate(counts[:count]):
+        if routed:
+            slots = order[start : start + routed]
+            yield expert, slots // top_k, flat_weights[slots]
+        start += routed
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, permuted: bool) -> torch.Tensor:
-    """x @ W with W given [out, in] (permuted) or [in, out]."""
+    """x @ W for W stored [out, in] (permuted) or [in, out]."""
     return F.linear(x, weight) if permuted else x @ weight
 
 
-def _run(hidden_states, table, router_weights, experts_min, experts_max, expert_fn):
+def _combine(hidden_states, table, router_weights, experts_min: int, count: int, expert: ExpertFn):
+    """sum over routed pairs of router_weight * expert(x), accumulated in float32."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    count = experts_max - experts_min + 1
-    for expert, rows, weights in _routed_groups(table, router_weights, experts_min, count):
-        y = expert_fn(expert, hidden_states[rows])
+    for index, rows, weights in _routed_groups(table, router_weights, experts_min, count):
+        y = expert(index, hidden_states.index_select(0, rows))
         out.index_add_(0, rows, y.float() * weights.float().unsqueeze(-1))
     return out.to(hidden_states.dtype)
 
 
+def _swiglu_expert(gate_up: Callable, down: Sequence[torch.Tensor], act, permuted: bool) -> ExpertFn:
+    def expert(index: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up(index, x)
+        return _linear(act(gate) * up, down[index], permuted)
+
+    return expert
+
+
 def mixture_of_experts(
-    hidden_states,
-    expert_routing_table,
-    router_weights,
-    w1,
-    w2,
-    w3,
-    permuted_weights,
-    activation,
-    experts_min,
-    experts_max,
-):
-    act = _activation(activation)
-    _check_inputs(
-        hidden_states,
-        expert_routing_table,
-        router_weights,
-        {"w1": w1, "w2": w2, "w3": w3},
-        experts_min,
-        experts_max,
-    )
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w1: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    """`.default`: separate gate (w1), up (w2) and down (w3) weights per expert."""
+    act = activation_function(activation)
+    _check_routing(hidden_states, expert_routing_table, router_weights)
+    count = _expert_count(experts_min, experts_max)
+    hidden, dtype = hidden_states.shape[1], hidden_states.dtype
+    if not w1:
+        _check_list("w1", w1, (), dtype, count)
+    inter = _intermediate_size("w1", w1[0], hidden, permuted_weights, parts=1)
+    for name, weights in (("w1", w1), ("w2", w2)):
+        _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype, count)
+    _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype, count)
 
-    def expert(e, x):
-        gate = _linear(x, w1[e], permuted_weights)
-        up = _linear(x, w2[e], permuted_weights)
-        return _linear(act(gate) * up, w3[e], permuted_weights)
+    def gate_up(index: int, x: torch.Tensor):
+        return _linear(x, w1[index], permuted_weights), _linear(x, w2[index], permuted_weights)
 
-    return _run(hidden_states, expert_routing_table, router_weights, experts_min, experts_max, expert)
+    expert = _swiglu_expert(gate_up, w3, act, permuted_weights)
+    return _combine(hidden_states, expert_routing_table, router_weights, experts_min, count, expert)
+
+
+def _check_fused(hidden_states, w12, w3, permuted: bool, count: int) -> int:
+    """Check the fused gate/up and down lists; returns the intermediate size I."""
+    dtype = hidden_states.dtype
+    if not w12:
+        _check_list("w12", w12, (), dtype, count)
+    hidden = hidden_states.shape[1]
+    inter = _intermediate_size("w12", w12[0], hidden, permuted, parts=2)
+    _check_list("w12", w12, _layout(2 * inter, hidden, permuted), dtype, count)
+    _check_list("w3", w3, _layout(hidden, inter, permuted), dtype, count)
+    return inter
 
 
 def mixture_of_experts_fused_weights(
-    hidden_states,
-    expert_routing_table,
-    router_weights,
-    w12,
-    w3,
-    permuted_weights,
-    activation,
-    experts_min,
-    experts_max,
-):
-    act = _activation(activation)
-    _check_inputs(
-        hidden_states, expert_routing_table, router_weights, {"w12": w12, "w3": w3}, experts_min, experts_max
-    )
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    """`.fused_weights`: gate and up concatenated per expert, gate first ([2I, H] when permuted)."""
+    act = activation_function(activation)
+    _check_routing(hidden_states, expert_routing_table, router_weights)
+    count = _expert_count(experts_min, experts_max)
+    _check_fused(hidden_states, w12, w3, permuted_weights, count)
 
-    def expert(e, x):
-        gate, up = _linear(x, w12[e], permuted_weights).chunk(2, dim=-1)
-        return _linear(act(gate) * up, w3[e], permuted_weights)
+    def gate_up(index: int, x: torch.Tensor):
+        return _linear(x, w12[index], permuted_weights).chunk(2, dim=-1)
 
-    return _run(hidden_states, expert_routing_table, router_weights, experts_min, experts_max, expert)
+    expert = _swiglu_expert(gate_up, w3, act, permuted_weights)
+    return _combine(hidden_states, expert_routing_table, router_weights, experts_min, count, expert)
 
 
 def mixture_of_experts_bias_fused_weights(
-    hidden_states,
-    expert_routing_table,
-    router_weights,
-    w12,
-    w3,
-    w12_bias,
-    w3_bias,
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    w12_bias: Sequence[torch.Tensor],
+    w3_bias: Sequence[torch.Tensor],
     *,
-    permuted_weights,
-    experts_min,
-    experts_max,
-    chunk_size=0,
-    total_experts=0,
-    alpha=1.702,
-    limit=7.0,
-):
-    _check_inputs(
-        hidden_states,
-        expert_routing_table,
-        router_weights,
-        {"w12": w12, "w3": w3, "w12_bias": w12_bias, "w3_bias": w3_bias},
-        experts_min,
-        experts_max,
-    )
+    permuted_weights: bool,
+    experts_min: int,
+    experts_max: int,
+    chunk_size: int = 0,
+    total_experts: int = 0,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """`.bias_fused_weights` (GPT-OSS): interleaved gate/up with biases, clamped alpha-sigmoid GLU.
 
-    def expert(e, x):
-        gate_up = _linear(x, w12[e], permuted_weights) + w12_bias[e]
-        gate, up = gate_up[:, 0::2].clamp(max=limit), gate_up[:, 1::2].clamp(-limit, limit)
+    `chunk_size` and `total_experts` only tune the Gaudi kernel's tiling; they do not change the result.
+    """
+    _check_routing(hidden_states, expert_routing_table, router_weights)
+    count = _expert_count(experts_min, experts_max)
+    inter = _check_fused(hidden_states, w12, w3, permuted_weights, count)
+    _check_list("w12_bias", w12_bias, (2 * inter,), hidden_states.dtype, count)
+    _check_list("w3_bias", w3_bias, (hidden_states.shape[1],), hidden_states.dtype, count)
+
+    def expert(index: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = _linear(x, w12[index], permuted_weights) + w12_bias[index]
+        gate = gate_up[:, 0::2].clamp(max=limit)
+        up = gate_up[:, 1::2].clamp(-limit, limit)
         glu = gate * torch.sigmoid(alpha * gate)
-        return _linear((up + 1) * glu, w3[e], permuted_weights) + w3_bias[e]
+        return _linear((up + 1) * glu, w3[index], permuted_weights) + w3_bias[index]
 
-    return _run(hidden_states, expert_routing_table, router_weights, experts_min, experts_max, expert)
+    return _combine(hidden_states, expert_routing_table, router_weights, experts_min, count, expert)
 
 
 IMPLEMENTATIONS = {
@@ -201,20 +281,38 @@ IMPLEMENTATIONS = {
 }
 
 
-def _fake(hidden_states, *args, **kwargs):
+# ---------------------------------------------------------------------------------------------------
+# Registration.
+
+
+def _fake(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Shape and dtype only: the output is always like hidden_states, so symbolic shapes just flow."""
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def _register() -> torch.library.Library:
-    library = torch.library.Library("moe_passes", "DEF")
+def _is_defined(overload: str = "") -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::mixture_of_experts", overload)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _register() -> torch.library.Library | None:
+    """Define the three overloads with CPU and CUDA kernels and fake kernels, once per process."""
+    if _is_defined():
+        return None  # another copy of this module already owns the definition
+    library = torch.library.Library(NAMESPACE, "DEF")
     for overload, schema in SCHEMAS.items():
         library.define(schema)
-        qualified = "moe_passes::mixture_of_experts" + ("" if overload == "default" else f".{overload}")
+        name = "mixture_of_experts" + ("" if overload == "default" else f".{overload}")
         for device in ("CPU", "CUDA"):
-            library.impl(qualified.split("::")[1], IMPLEMENTATIONS[overload], device)
-        torch.library.register_fake(qualified, _fake, lib=library)
+            library.impl(name, IMPLEMENTATIONS[overload], device)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", _fake, lib=library)
     return library
 
 
-_LIBRARY = _register()
+# Keep the library object alive for the life of the process (dropping it unregisters the op), and
+# reuse it when the module is executed again (importlib.reload).
+_LIBRARY = globals().get("_LIBRARY") or _register()
 OP = torch.ops.moe_passes.mixture_of_experts

@@ -1,0 +1,31 @@
+"""The catalog of MoE source forms the passes meet in the wild (not installed with the package).
+
+Each module mirrors one real-world form in plain PyTorch, cites the code it mirrors, offers
+`build(**overrides) -> (module, example_inputs)` with small defaults, and states in `EXPECTED` the
+rewrite it must get (or why it must be declined). The demo, the tests and the tools run from here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ._expected import Expected
+
+FORMS = (
+    "static_dense_loop",
+    "modulelist_dense_mask",
+    "hf_grouped_mm",
+    "hf_batched_mm",
+    "near_miss_input_scaled",
+    "near_miss_mixed_activation",
+    "near_miss_output_escapes",
+)
+
+
+def catalog() -> dict[str, ModuleType]:
+    """{form name: module}, in a stable order."""
+    return {name: importlib.import_module(f"{__name__}.{name}") for name in FORMS}
+
+
+__all__ = ["Expected", "catalog", "FORMS"]

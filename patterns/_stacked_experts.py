@@ -1,0 +1,44 @@
+"""The transformers 5.x MoE block shell shared by the grouped-GEMM and batched-GEMM forms.
+
+Mirrors `Qwen3MoeSparseMoeBlock` / `Qwen3MoeExperts` of transformers 5.x
+(`src/transformers/models/qwen3_moe/modeling_qwen3_moe.py`): a router returning top-k weights and ids,
+and experts stored stacked as `gate_up_proj [E, 2I, H]` (gate rows first) and `down_proj [E, H, I]`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._common import ACTIVATIONS, Router
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, cfg: dict, experts_forward):
+        super().__init__()
+        e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act_fn = ACTIVATIONS[cfg["activation"]]
+        self._experts_forward = experts_forward
+
+    def apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self._experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: dict, experts_forward):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = StackedExperts(cfg, experts_forward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        flat = x.view(-1, hidden)
+        weights, ids = self.gate(flat)
+        return self.experts(flat, ids, weights).reshape(batch, seq, hidden)

@@ -1,0 +1,38 @@
+"""transformers 5.x batched-GEMM experts (`experts_implementation="batched_mm"`; used for decode on GPU).
+
+Mirrors `batched_mm_experts_forward` in transformers 5.23 `src/transformers/integrations/moe.py`:
+`x.repeat_interleave(k, 0)`, per-slot weight copies `gate_up_proj[ids]`, `bmm(W, x[..., None])` →
+`act(gate) * up` → `bmm(down_proj[ids], .)` → `* w[:, None]` → `.view(T, k, H).sum(1).to(dtype)`;
+block shell from `_stacked_experts.py`.
+
+The rewrite must turn each layer into ONE `fused_weights` call; it also removes the [T*k, 2I, H]
+gathered weight copies this form makes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import TinyDecoder, finish, settings
+from ._expected import Expected
+from ._stacked_experts import SparseMoeBlock
+
+EXPECTED = Expected(fused=2, overload="fused_weights")
+
+
+def batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.shape
+    selected = hidden_states.repeat_interleave(num_top_k, dim=0)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1)
+    out = torch.bmm(self.gate_up_proj[expert_ids], selected.unsqueeze(-1)).squeeze(-1)
+    out = self.apply_gate(out)
+    out = torch.bmm(self.down_proj[expert_ids], out.unsqueeze(-1)).squeeze(-1)
+    weighted = out * sample_weights.unsqueeze(-1)
+    return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def build(**overrides):
+    cfg = settings(overrides)
+    return finish(TinyDecoder(lambda c: SparseMoeBlock(c, batched_mm_experts_forward), cfg), cfg)
