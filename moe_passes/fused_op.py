@@ -86,15 +86,20 @@ def _expert_count(experts_min: int, experts_max: int) -> int:
     return count
 
 
+def _check_lengths(lists: dict[str, Sequence[torch.Tensor]], count: int) -> None:
+    """One tensor per expert of the inclusive range, in every list."""
+    for name, tensors in lists.items():
+        if len(tensors) != count:
+            raise MoEInputError(
+                f"{name} holds {len(tensors)} tensors but the expert range holds {count} experts "
+                "(experts_max - experts_min + 1)"
+            )
+
+
 def _check_list(
-    name: str, tensors: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, count: int
+    name: str, tensors: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
-    """Every tensor of one list: the expected shape and dtype, one per expert of the range."""
-    if len(tensors) != count:
-        raise MoEInputError(
-            f"{name} holds {len(tensors)} tensors but the expert range holds {count} experts "
-            "(experts_max - experts_min + 1)"
-        )
+    """Every tensor of one list has the expected shape and the hidden dtype."""
     for index, tensor in enumerate(tensors):
         if tuple(tensor.shape) != shape:
             raise MoEInputError(f"{name}[{index}] has shape {tuple(tensor.shape)}, expected {shape}")
@@ -186,13 +191,12 @@ def mixture_of_experts(
     act = activation_function(activation)
     _check_routing(hidden_states, expert_routing_table, router_weights)
     count = _expert_count(experts_min, experts_max)
+    _check_lengths({"w1": w1, "w2": w2, "w3": w3}, count)
     hidden, dtype = hidden_states.shape[1], hidden_states.dtype
-    if not w1:
-        _check_list("w1", w1, (), dtype, count)
     inter = _intermediate_size("w1", w1[0], hidden, permuted_weights, parts=1)
     for name, weights in (("w1", w1), ("w2", w2)):
-        _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype, count)
-    _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype, count)
+        _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype)
+    _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype)
 
     def gate_up(index: int, x: torch.Tensor):
         return _linear(x, w1[index], permuted_weights), _linear(x, w2[index], permuted_weights)
@@ -203,13 +207,11 @@ def mixture_of_experts(
 
 def _check_fused(hidden_states, w12, w3, permuted: bool, count: int) -> int:
     """Check the fused gate/up and down lists; returns the intermediate size I."""
-    dtype = hidden_states.dtype
-    if not w12:
-        _check_list("w12", w12, (), dtype, count)
-    hidden = hidden_states.shape[1]
+    _check_lengths({"w12": w12, "w3": w3}, count)
+    hidden, dtype = hidden_states.shape[1], hidden_states.dtype
     inter = _intermediate_size("w12", w12[0], hidden, permuted, parts=2)
-    _check_list("w12", w12, _layout(2 * inter, hidden, permuted), dtype, count)
-    _check_list("w3", w3, _layout(hidden, inter, permuted), dtype, count)
+    _check_list("w12", w12, _layout(2 * inter, hidden, permuted), dtype)
+    _check_list("w3", w3, _layout(hidden, inter, permuted), dtype)
     return inter
 
 
@@ -261,8 +263,9 @@ def mixture_of_experts_bias_fused_weights(
     _check_routing(hidden_states, expert_routing_table, router_weights)
     count = _expert_count(experts_min, experts_max)
     inter = _check_fused(hidden_states, w12, w3, permuted_weights, count)
-    _check_list("w12_bias", w12_bias, (2 * inter,), hidden_states.dtype, count)
-    _check_list("w3_bias", w3_bias, (hidden_states.shape[1],), hidden_states.dtype, count)
+    _check_lengths({"w12_bias": w12_bias, "w3_bias": w3_bias}, count)
+    _check_list("w12_bias", w12_bias, (2 * inter,), hidden_states.dtype)
+    _check_list("w3_bias", w3_bias, (hidden_states.shape[1],), hidden_states.dtype)
 
     def expert(index: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = _linear(x, w12[index], permuted_weights) + w12_bias[index]

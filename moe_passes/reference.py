@@ -1,7 +1,11 @@
-"""The Gaudi bridge's reference semantics of `mixture_of_experts`, as a dense loop: the test oracle.
+"""The Gaudi bridge's reference semantics of `mixture_of_experts`: the test oracle.
 
-Dense on purpose (every expert on every token, weighted by a scattered [T, E] table), in float32,
-exactly like the bridge's eager reference; the portable op must agree with it.
+Written literally after the bridge's eager reference loop, and dense on purpose: the router weights
+are scattered into a [T, E] table and every expert of the weight lists runs on every token, in
+float32, weighted by its column of that table. It is slow and obviously right, which is what an
+oracle for the portable op (and for the test double of the Gaudi op) must be. Routed ids outside
+[experts_min, experts_max] land in columns no expert reads, so they contribute zero. Like the bridge,
+it assumes the ids of one token are distinct (top-k never repeats an expert): scatter keeps one.
 """
 
 from __future__ import annotations
@@ -12,17 +16,27 @@ import torch.nn.functional as F
 _ACTIVATIONS = {
     "silu": F.silu,
     "relu": F.relu,
-    "gelu": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": lambda t: F.gelu(t, approximate="tanh"),  # the Gaudi TPC gelu is the tanh form
 }
 
 
-def _padded(table: torch.Tensor, weights: torch.Tensor, experts_max: int) -> torch.Tensor:
-    width = max(experts_max + 1, int(table.max()) + 1 if table.numel() else 0)
+def _activation(name: str):
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"mixture_of_experts reference: unknown activation {name!r}")
+    return _ACTIVATIONS[name]
+
+
+def padded_router_weights(table: torch.Tensor, weights: torch.Tensor, experts_max: int) -> torch.Tensor:
+    """[T, E] float32 table: column e holds each token's router weight for global expert e, else 0."""
+    width = experts_max + 1
+    if table.numel():
+        width = max(width, int(table.max()) + 1)
     padded = torch.zeros(table.shape[0], width, dtype=torch.float32, device=table.device)
     return padded.scatter_(-1, table.long(), weights.float())
 
 
 def _as_in_out(weight: torch.Tensor, permuted: bool) -> torch.Tensor:
+    """The weight as a float32 [in, out] matrix, whichever layout it came in."""
     return (weight.t() if permuted else weight).float()
 
 
@@ -38,21 +52,23 @@ def mixture_of_experts_reference(
     experts_min,
     experts_max,
 ):
-    act = _ACTIVATIONS[activation]
+    """Dense reference of `.default`: w1 = gate, w2 = up, w3 = down."""
+    act = _activation(activation)
     x = hidden_states.float()
-    padded = _padded(expert_routing_table, router_weights, experts_max)
+    padded = padded_router_weights(expert_routing_table, router_weights, experts_max)
     out = torch.zeros_like(x)
     for e in range(len(w1)):
         gate, up, down = (_as_in_out(w[e], permuted_weights) for w in (w1, w2, w3))
-        out += (act(x @ gate) * (x @ up)) @ down * padded[:, experts_min + e : experts_min + e + 1]
+        column = experts_min + e
+        out += (act(x @ gate) * (x @ up)) @ down * padded[:, column : column + 1]
     return out.to(hidden_states.dtype)
 
 
 def _split_fused(w12, permuted: bool):
-    """Gate and up halves of each fused weight: gate rows first ([2I, H] permuted, [H, 2I] not)."""
+    """Gate and up halves of each fused weight, gate first: rows when permuted, else columns."""
     dim = 0 if permuted else 1
     halves = [w.chunk(2, dim=dim) for w in w12]
-    return [h[0] for h in halves], [h[1] for h in halves]
+    return [gate for gate, _ in halves], [up for _, up in halves]
 
 
 def mixture_of_experts_fused_weights_reference(
@@ -66,6 +82,7 @@ def mixture_of_experts_fused_weights_reference(
     experts_min,
     experts_max,
 ):
+    """Dense reference of `.fused_weights`: split w12 into gate and up, then as `.default`."""
     w1, w2 = _split_fused(w12, permuted_weights)
     return mixture_of_experts_reference(
         hidden_states,
@@ -98,13 +115,16 @@ def mixture_of_experts_bias_fused_weights_reference(
     alpha=1.702,
     limit=7.0,
 ):
+    """Dense reference of `.bias_fused_weights` (GPT-OSS): interleaved gate/up, clamped GLU, biases."""
     x = hidden_states.float()
-    padded = _padded(expert_routing_table, router_weights, experts_max)
+    padded = padded_router_weights(expert_routing_table, router_weights, experts_max)
     out = torch.zeros_like(x)
     for e in range(len(w12)):
         gate_up = x @ _as_in_out(w12[e], permuted_weights) + w12_bias[e].float()
-        gate, up = gate_up[:, 0::2].clamp(max=limit), gate_up[:, 1::2].clamp(-limit, limit)
+        gate = gate_up[:, 0::2].clamp(max=limit)
+        up = gate_up[:, 1::2].clamp(-limit, limit)
         hidden = (up + 1) * (gate * torch.sigmoid(alpha * gate))
         y = hidden @ _as_in_out(w3[e], permuted_weights) + w3_bias[e].float()
-        out += y * padded[:, experts_min + e : experts_min + e + 1]
+        column = experts_min + e
+        out += y * padded[:, column : column + 1]
     return out.to(hidden_states.dtype)

@@ -1,6 +1,6 @@
 """Near miss: experts that do not share one activation.
 
-The same dense-mask `nn.ModuleList` loop as `modulelist_dense_mask` (hand-written MoE blocks), but
+The same dense-mask `nn.ModuleList` loop as `patterns/modulelist_dense_mask.py` (hand-written MoE blocks), but
 expert 0 uses GELU while the others use SiLU, as happens when experts are assembled from different
 checkpoints. The kernel takes ONE activation for all experts, so the rewrite must leave each layer
 untouched and report it declined, naming the activations.

@@ -1,6 +1,6 @@
 """Near miss: one expert's output is also used outside the MoE sum.
 
-The dense-mask `nn.ModuleList` loop of `modulelist_dense_mask`, except that the block also adds a
+The dense-mask `nn.ModuleList` loop of `patterns/modulelist_dense_mask.py`, except that the block also adds a
 tenth of expert 0's unweighted output to its result (an auxiliary path, as in experiments that tap an
 expert). Fusing would remove that intermediate, so the rewrite must leave each layer untouched and
 report that a value escapes the region.

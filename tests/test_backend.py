@@ -188,6 +188,6 @@ def test_dynamic_shapes_keep_one_fused_call_per_layer():
     )
     with torch.no_grad():
         for tokens in (3, 5, 9):
-            x = torch.randn(1, tokens, inputs[0].shape[-1])
+            x = torch.randn(1, tokens, inputs[0].shape[-1], dtype=inputs[0].dtype)
             assert_close_for_dtype(compiled(x), model(x))
     assert len(recorder.graphs) == 1 and len(recorder.fused_nodes()) == 2

@@ -42,7 +42,10 @@ def test_catalog_form_rewrite(name, inner):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_catalog_form_low_precision(name, dtype):
     form = FORMS[name]
-    model, inputs = form.build(dtype=dtype)
+    try:
+        model, inputs = form.build(dtype=dtype)
+    except ValueError as why:  # a form that only exists in some dtypes says so
+        pytest.skip(str(why))
     report, output, recorder = run_hpu_moe(model, inputs)
     assert len(report.fused) == form.EXPECTED.fused, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch.fx import GraphModule, Node
 
 from ..fx_utils import backward_slice, escaping_users, shape, strip_casts
@@ -52,8 +53,13 @@ def _layer_of(match: ExpertsMatch) -> str:
 def check(match: ExpertsMatch) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
     boundary = {match.hidden, match.ids, match.weights, *match.weight_nodes()}
-    # Views and casts of the region's inputs are aliases of those inputs, free to be shared.
-    region = {n for n in backward_slice(match.output, boundary) if strip_casts(n) not in boundary}
+    # Views and casts of the region's inputs are aliases of those inputs, and symbolic size
+    # arithmetic is not a tensor at all: both are free to be shared with the rest of the graph.
+    region = {
+        n
+        for n in backward_slice(match.output, boundary)
+        if strip_casts(n) not in boundary and isinstance(n.meta.get("val"), torch.Tensor)
+    }
     escapes = escaping_users(region, match.output)
     if escapes:
         inside, outside = escapes[0]
@@ -119,7 +125,7 @@ def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[F
                 num_experts=candidate.num_experts,
                 top_k=candidate.top_k,
                 activation=candidate.activation,
-                overload=str(node.target.name()),
+                overload=f"{node.target._schema.name}.{node.target._overloadname}",
                 target=target,
                 routing=_routing_text(candidate),
                 graph=graph_index,

@@ -1,0 +1,126 @@
+"""A test double of the Gaudi bridge's `hpu::mixture_of_experts`, for machines without Gaudi.
+
+It registers the op under the real `hpu` namespace with the bridge's v1.19 schemas for `.default` and
+`.fused_weights` and the GPT-OSS `.bias_fused_weights` schema, computes the bridge's reference
+semantics (moe_passes/reference.py) on CPU, and records every real call in `CALLS`, so tests can check
+which overload the Gaudi lowering emitted, with which roles, dtypes, layouts and expert range. It
+belongs to the tests, never to the package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_passes import reference
+
+# The bridge's schemas (v1.19 eager_custom_op_register.cpp; bias_fused_weights as the op contract quotes it).
+BRIDGE_SCHEMAS = {
+    "default": "mixture_of_experts(Tensor hidden_states, Tensor expert_routing_table, Tensor router_weights, "
+    "Tensor[] w1, Tensor[] w2, Tensor[] w3, bool permuted_weights, str activation, int experts_min, "
+    "int experts_max) -> Tensor",
+    "fused_weights": "mixture_of_experts.fused_weights(Tensor hidden_states, Tensor expert_routing_table, "
+    "Tensor router_weights, Tensor[] w12, Tensor[] w3, bool permuted_weights, str activation, "
+    "int experts_min, int experts_max) -> Tensor",
+    "bias_fused_weights": "mixture_of_experts.bias_fused_weights(Tensor hidden_states, "
+    "Tensor expert_routing_table, Tensor router_weights, Tensor[] w12, Tensor[] w3, Tensor[] w12_bias, "
+    "Tensor[] w3_bias, *, bool permuted_weights, int experts_min, int experts_max, int chunk_size=0, "
+    "int total_experts=0, float alpha=1.702, float limit=7.0) -> Tensor",
+}
+
+# One dict per real (not fake) call, in call order.
+CALLS: list[dict] = []
+
+_LIBRARY: torch.library.Library | None = None
+
+
+def _record(overload, hidden_states, table, router_weights, lists, permuted, activation, lo, hi, **extra):
+    CALLS.append(
+        {
+            "overload": overload,
+            "hidden_dtype": str(hidden_states.dtype),
+            "hidden_shape": list(hidden_states.shape),
+            "routing_dtype": str(table.dtype),
+            "router_weights_dtype": str(router_weights.dtype),
+            "num_weights": len(lists[0]),
+            "weight_shapes": [list(weights[0].shape) if len(weights) else None for weights in lists],
+            "permuted_weights": bool(permuted),
+            "activation": activation,
+            "experts_min": int(lo),
+            "experts_max": int(hi),
+            **extra,
+        }
+    )
+
+
+def _default(hidden_states, table, router_weights, w1, w2, w3, permuted_weights, activation, lo, hi):
+    _record(
+        "default", hidden_states, table, router_weights, (w1, w2, w3), permuted_weights, activation, lo, hi
+    )
+    return reference.mixture_of_experts_reference(
+        hidden_states, table, router_weights, w1, w2, w3, permuted_weights, activation, lo, hi
+    )
+
+
+def _fused_weights(hidden_states, table, router_weights, w12, w3, permuted_weights, activation, lo, hi):
+    _record(
+        "fused_weights", hidden_states, table, router_weights, (w12, w3), permuted_weights, activation, lo, hi
+    )
+    return reference.mixture_of_experts_fused_weights_reference(
+        hidden_states, table, router_weights, w12, w3, permuted_weights, activation, lo, hi
+    )
+
+
+def _bias_fused_weights(hidden_states, table, router_weights, w12, w3, w12_bias, w3_bias, **options):
+    range_and_layout = ("permuted_weights", "experts_min", "experts_max")
+    _record(
+        "bias_fused_weights",
+        hidden_states,
+        table,
+        router_weights,
+        (w12, w3, w12_bias, w3_bias),
+        options["permuted_weights"],
+        None,
+        options["experts_min"],
+        options["experts_max"],
+        options={k: v for k, v in options.items() if k not in range_and_layout},
+    )
+    return reference.mixture_of_experts_bias_fused_weights_reference(
+        hidden_states, table, router_weights, w12, w3, w12_bias, w3_bias, **options
+    )
+
+
+_KERNELS = {"default": _default, "fused_weights": _fused_weights, "bias_fused_weights": _bias_fused_weights}
+
+
+def _fake(hidden_states, *args, **kwargs):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def _hpu_op_registered() -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw("hpu::mixture_of_experts", "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def register_fake_gaudi_bridge() -> torch.library.Library | None:
+    """Register `hpu::mixture_of_experts` unless it exists; returns the library that owns it.
+
+    Safe to call any number of times. Returns None when something other than this module (the real
+    bridge) registered the op first.
+    """
+    global _LIBRARY
+    if _LIBRARY is not None or _hpu_op_registered():
+        return _LIBRARY
+    try:
+        library = torch.library.Library("hpu", "DEF")
+    except RuntimeError:  # another library already owns the namespace: add to it
+        library = torch.library.Library("hpu", "FRAGMENT")
+    for overload, schema in BRIDGE_SCHEMAS.items():
+        library.define(schema)
+        name = "mixture_of_experts" + ("" if overload == "default" else f".{overload}")
+        library.impl(name, _KERNELS[overload], "CPU")
+        torch.library.register_fake(f"hpu::{name}", _fake, lib=library)
+    _LIBRARY = library
+    return library

@@ -1,0 +1,189 @@
+"""Snapshots of every rewritten catalog graph, through the project's own stable printer.
+
+Re-record with EXPECTTEST_ACCEPT=1 and read the diff before committing it.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+
+from moe_passes.printer import format_fused_calls, format_graph
+from patterns import catalog
+from tests.helpers import run_hpu_moe
+
+
+def rewritten_graph(name: str, **overrides) -> torch.fx.GraphModule:
+    model, inputs = catalog()[name].build(layers=1, **overrides)
+    _, _, recorder = run_hpu_moe(model, inputs)
+    (graph,) = recorder.graphs
+    return graph
+
+
+class TestRewrittenGraphs(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_static_dense_loop(self):
+        self.assertExpectedInline(
+            format_graph(rewritten_graph("static_dense_loop")),
+            """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.view(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.select.int(in4, 0, 0)
+  %12 = aten.select.int(in5, 0, 0)
+  %13 = aten.select.int(in4, 0, 1)
+  %14 = aten.select.int(in5, 0, 1)
+  %15 = aten.select.int(in4, 0, 2)
+  %16 = aten.select.int(in5, 0, 2)
+  %17 = aten.select.int(in4, 0, 3)
+  %18 = aten.select.int(in5, 0, 3)
+  %19 = aten.reshape(%1, [-1, 16])
+  %20 = moe_passes.mixture_of_experts.fused_weights(%19, %8, %10, [%11, %13, %15, %17], [%12, %14, %16, %18], True, 'silu', 0, 3)
+  %21 = aten.reshape(%20, [1, 6, 16])
+  %22 = aten.view(%21, [1, 6, 16])
+  %23 = aten.add.Tensor(in2, %22)
+  return [%23]""",
+        )
+
+    def test_modulelist_dense_mask(self):
+        self.assertExpectedInline(
+            format_graph(rewritten_graph("modulelist_dense_mask")),
+            """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, in14, in15):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.view(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.reshape(%1, [-1, 16])
+  %12 = moe_passes.mixture_of_experts(%11, %8, %10, [in4, in7, in10, in13], [in5, in8, in11, in14], [in6, in9, in12, in15], True, 'silu', 0, 3)
+  %13 = aten.view(%12, [1, 6, 16])
+  %14 = aten.add.Tensor(in2, %13)
+  return [%14]""",
+        )
+
+    def test_hf_grouped_mm(self):
+        self.assertExpectedInline(
+            format_graph(rewritten_graph("hf_grouped_mm")),
+            """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.view(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._to_copy(%4, dtype=float32)
+  %6 = aten._softmax(%5, -1, False)
+  %7 = aten.topk(%6, 2)
+  %8 = getitem(%7, 0)
+  %9 = getitem(%7, 1)
+  %10 = aten.sum.dim_IntList(%8, [-1], True)
+  %11 = aten.div.Tensor(%8, %10)
+  %12 = aten._to_copy(%11, dtype=bfloat16)
+  %13 = aten.unbind.int(in4, 0)
+  %14 = aten.unbind.int(in5, 0)
+  %15 = moe_passes.mixture_of_experts.fused_weights(%2, %9, %12, %13[0:4], %14[0:4], True, 'silu', 0, 3)
+  %16 = aten.view(%15, [1, 6, 16])
+  %17 = aten.add.Tensor(in2, %16)
+  return [%17]""",
+        )
+
+    def test_hf_batched_mm(self):
+        self.assertExpectedInline(
+            format_graph(rewritten_graph("hf_batched_mm")),
+            """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.view(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.unbind.int(in4, 0)
+  %12 = aten.unbind.int(in5, 0)
+  %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
+  %14 = aten.view(%13, [1, 6, 16])
+  %15 = aten.add.Tensor(in2, %14)
+  return [%15]""",
+        )
+
+    def test_topk_softmax_routing_feeds_the_fused_call(self):
+        graph = rewritten_graph("hf_batched_mm", routing="topk_softmax")
+        self.assertExpectedInline(
+            format_fused_calls(graph),
+            """\
+graph(in0, in1, in2, in3):
+  %0 = getitem(in0, 0)
+  %1 = aten.view(%0, [-1, 16])
+  %2 = aten.topk(in1, 2)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten._softmax(%3, -1, False)
+  %6 = aten.unbind.int(in2, 0)
+  %7 = aten.unbind.int(in3, 0)
+  %8 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %5, %6[0:4], %7[0:4], True, 'silu', 0, 3)""",
+        )
+
+    def test_near_miss_is_left_as_captured(self):
+        graph = rewritten_graph("near_miss_input_scaled", num_experts=2)
+        self.assertExpectedInline(
+            format_graph(graph),
+            """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
+  %0 = layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = reshape(%0, -1, 16)
+  %2 = linear(%1, in3, None)
+  %3 = softmax(%2, dim=-1, dtype=float32)
+  %4 = topk(%3, 2, dim=-1)
+  %5 = getitem(%4, 0)
+  %6 = getitem(%4, 1)
+  %7 = sum(%5, dim=-1, keepdim=True)
+  %8 = truediv(%5, %7)
+  %9 = to(%8, float32)
+  %10 = zeros_like(%1)
+  %11 = eq(%6, 0)
+  %12 = mul(%9, %11)
+  %13 = sum(%12, dim=-1, keepdim=True)
+  %14 = mul(%1, %13)
+  %15 = linear(%14, in4, None)
+  %16 = silu(%15)
+  %17 = linear(%14, in5, None)
+  %18 = mul(%16, %17)
+  %19 = linear(%18, in6, None)
+  %20 = add(%10, %19)
+  %21 = eq(%6, 1)
+  %22 = mul(%9, %21)
+  %23 = sum(%22, dim=-1, keepdim=True)
+  %24 = mul(%1, %23)
+  %25 = linear(%24, in7, None)
+  %26 = silu(%25)
+  %27 = linear(%24, in8, None)
+  %28 = mul(%26, %27)
+  %29 = linear(%28, in9, None)
+  %30 = add(%20, %29)
+  %31 = view(%30, [1, 6, 16])
+  %32 = add(in2, %31)
+  return [%32]""",
+        )
