@@ -174,35 +174,33 @@ def test_gelu_is_the_tanh_approximation():
 # Expert ranges (expert parallelism).
 
 
+def with_range(overload, args, kwargs, lo, hi):
+    """The call for the experts [lo, hi] only: their slice of every weight list, and that range."""
+    args = [a[lo : hi + 1] if isinstance(a, list) else a for a in args]
+    if overload == "bias_fused_weights":
+        return args, {**kwargs, "experts_min": lo, "experts_max": hi}
+    return args[:-2] + [lo, hi], kwargs
+
+
 @pytest.mark.parametrize("overload", ["default", "fused_weights", "bias_fused_weights"])
-@pytest.mark.parametrize("experts_min, experts_max", [(2, 5), (0, 0), (7, 7), (0, 7)])
+@pytest.mark.parametrize("experts_min, experts_max", [(2, 5), (0, 0), (7, 7)])
 def test_partial_range_ignores_ids_outside_it(overload, experts_min, experts_max):
-    args, kwargs = case(
-        overload, tokens=9, top_k=3, experts_min=experts_min, experts_max=experts_max, routed_experts=(0, 8)
-    )
-    assert_matches_reference(overload, args, kwargs)
-    table = args[1]
-    outside = ((table < experts_min) | (table > experts_max)).all(-1)
-    if outside.any() and overload != "bias_fused_weights":
-        assert run_op(overload, args, kwargs)[outside].abs().max() == 0
+    """Eight experts routed, the lists hold [experts_min, experts_max]; token 0 chose none of them."""
+    args, kwargs = case(overload, tokens=9, top_k=3, experts=8, routed_experts=(0, 8))
+    outside = [e for e in range(8) if not experts_min <= e <= experts_max]
+    args[1][0] = torch.tensor(outside[:3])
+    args, kwargs = with_range(overload, args, kwargs, experts_min, experts_max)
+    out = assert_matches_reference(overload, args, kwargs)
+    assert out[0].abs().max() == 0
+    assert out[1:].abs().max() > 0
 
 
 @pytest.mark.parametrize("overload", ["default", "fused_weights", "bias_fused_weights"])
 def test_ranks_partial_outputs_sum_to_the_whole(overload):
-    """Splitting 8 experts over two ranks, [0, 3] and [4, 7], and summing gives the single-device result."""
+    """Eight experts split over two ranks, [0, 3] and [4, 7]: the partial outputs sum to the whole."""
     args, kwargs = case(overload, tokens=6, experts=8, top_k=2)
     whole = run_op(overload, args, kwargs)
-    lists = [i for i, a in enumerate(args) if isinstance(a, list)]
-    position = {"default": (-2, -1), "fused_weights": (-2, -1)}.get(overload)
-    total = torch.zeros_like(whole)
-    for lo, hi in ((0, 3), (4, 7)):
-        rank_args = [a[lo : hi + 1] if i in lists else a for i, a in enumerate(args)]
-        rank_kwargs = dict(kwargs)
-        if position:
-            rank_args[position[0]], rank_args[position[1]] = lo, hi
-        else:
-            rank_kwargs.update(experts_min=lo, experts_max=hi)
-        total += run_op(overload, rank_args, rank_kwargs)
+    total = sum(run_op(overload, *with_range(overload, args, kwargs, lo, hi)) for lo, hi in ((0, 3), (4, 7)))
     torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)
 
 

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import backward_slice, escaping_users, shape, strip_casts
+from ..fx_utils import backward_slice, const_int, escaping_users, shape, strip_casts
 from ..report import Declined, Fused
 from . import experts_batched_mm, experts_dense_loop, experts_grouped_mm, routing
 from .matches import Decline, ExpertsMatch
@@ -50,6 +50,10 @@ def _layer_of(match: ExpertsMatch) -> str:
     return ".".join(common) if len(common) > 1 else layer_name(match.output)
 
 
+def _is_size_arithmetic(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool)
+
+
 def check(match: ExpertsMatch) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
     boundary = {match.hidden, match.ids, match.weights, *match.weight_nodes()}
@@ -58,7 +62,7 @@ def check(match: ExpertsMatch) -> str | None:
     region = {
         n
         for n in backward_slice(match.output, boundary)
-        if strip_casts(n) not in boundary and isinstance(n.meta.get("val"), torch.Tensor)
+        if strip_casts(n) not in boundary and not _is_size_arithmetic(n)
     }
     escapes = escaping_users(region, match.output)
     if escapes:
@@ -67,15 +71,14 @@ def check(match: ExpertsMatch) -> str | None:
     info = routing.describe(match.ids, match.weights)
     if info.num_experts is not None and info.num_experts != match.num_experts:
         return f"the router scores {info.num_experts} experts but the region holds {match.num_experts}"
+    # Sizes are read through their hints (const_int): int() on a SymInt would add a guard and make
+    # dynamo recompile for every new token count.
     hidden, ids = shape(match.hidden), shape(match.ids)
-    try:
-        tokens = 1
-        for d in hidden[:-1]:
-            tokens *= int(d)
-        if tokens != int(ids[0]) and len(ids) == 2:
-            return "the hidden states and the routing table hold different numbers of tokens"
-    except (TypeError, ValueError):
-        pass  # symbolic sizes: the fused op checks at run time
+    tokens = 1
+    for size in hidden[:-1]:
+        tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
+    if tokens is not None and len(ids) == 2 and const_int(ids[0]) not in (None, tokens):
+        return "the hidden states and the routing table hold different numbers of tokens"
     if match.top_k > match.num_experts:
         return "top-k exceeds the number of experts"
     return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import dtype, is_call, is_getitem, shape, strip_casts
+from ..fx_utils import const_int, dtype, is_call, is_getitem, shape, strip_casts
 from .matches import RoutingInfo
 
 aten = torch.ops.aten
@@ -75,7 +75,4 @@ def describe(ids: Node, weights: Node) -> RoutingInfo:
 
 def _width(node: Node) -> int | None:
     dims = shape(node)
-    try:
-        return int(dims[-1]) if dims else None
-    except (TypeError, ValueError):
-        return None
+    return const_int(dims[-1]) if dims else None
