@@ -69,7 +69,21 @@ def rewrite_graph(
             )
             return None
     record.fused.extend(fused)
+    _trace_artifact(f"hpu_moe_rewritten_graph_{record.index}", canonical)
     return canonical
+
+
+def _trace_artifact(name: str, gm: torch.fx.GraphModule) -> None:
+    """Leave the rewritten graph in TORCH_TRACE output for tlparse (free when tracing is off)."""
+    from .printer import format_graph
+
+    trace = getattr(torch._logging, "trace_structured", None)
+    if trace is not None:
+        trace(
+            "artifact",
+            metadata_fn=lambda: {"name": name, "encoding": "string"},
+            payload_fn=lambda: format_graph(gm),
+        )
 
 
 def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None):

@@ -44,12 +44,13 @@ def settings(overrides: dict, allowed=tuple(DEFAULTS)) -> dict:
     return out
 
 
-def init_weights(module: nn.Module, seed: int, scale: float = 0.3) -> None:
-    """Deterministic weights of modest size, so outputs stay O(1) whatever the defaults of nn.Linear."""
+def init_weights(module: nn.Module, seed: int) -> None:
+    """Deterministic weights scaled by 1/sqrt(fan-in), so activations stay O(1) at any size."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in module.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+            fan_in = parameter.shape[-1] if parameter.dim() >= 2 else 1
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * fan_in**-0.5)
 
 
 def route(logits: torch.Tensor, top_k: int, routing: str, router_fp32: bool, dtype: torch.dtype):
