@@ -91,14 +91,6 @@ def is_cast(node: object) -> bool:
     return False
 
 
-def getitem_of(node: Node, index: int) -> Node | None:
-    """The `operator.getitem(node, index)` user of a multi-output node, if any."""
-    for user in node.users:
-        if user.target is operator.getitem and user.args[1] == index:
-            return user
-    return None
-
-
 def is_getitem(node: object, index: int | None = None) -> bool:
     if not isinstance(node, Node) or node.target is not operator.getitem:
         return False
@@ -141,10 +133,6 @@ def escaping_users(region: set[Node], output: Node) -> list[tuple[Node, Node]]:
             if user not in region:
                 escapes.append((node, user))
     return escapes
-
-
-def node_order(graph: torch.fx.Graph) -> dict[Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def within(node: Node, depth: int, predicate) -> bool:

@@ -41,7 +41,6 @@ class GraphRecord:
     fused: list[Fused] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     fallback: str | None = None  # set when the graph went to the inner backend unrewritten
-    verified_max_error: float | None = None
 
 
 @dataclass

@@ -6,7 +6,7 @@ A finder either returns an `ExpertsMatch` (everything the rewrite needs, nothing
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch.fx import Node
 
@@ -66,7 +66,6 @@ class ExpertsMatch:
     gate_up: ExpertWeights | None = None  # fused_weights: gate rows then up rows
     gate: ExpertWeights | None = None  # default: separate gate and up
     up: ExpertWeights | None = None
-    boundary: tuple[Node, ...] = field(default=())  # inputs of the region (not erased)
 
     @property
     def overload(self) -> str:

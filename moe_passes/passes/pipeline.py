@@ -51,7 +51,9 @@ def _layer_of(match: ExpertsMatch) -> str:
 
 
 def _is_size_arithmetic(node: Node) -> bool:
-    return isinstance(node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool)
+    return isinstance(
+        node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool
+    )
 
 
 def check(match: ExpertsMatch) -> str | None:
