@@ -167,6 +167,64 @@ def _combine(hidden_states, table, router_weights, experts_min: int, count: int,
     return out.to(hidden_states.dtype)
 
 
+# The grouped path: when the per-expert weights are views of one stacked tensor (what the rewrite
+# emits: `unbind` of a stacked parameter), the stacked tensor is recovered without a copy and all
+# experts run in two grouped matmuls, with no host sync. Used on CUDA; the loop above is the fallback.
+GROUPED_DEVICES = {"cuda"}
+
+
+def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The [E, ...] tensor that `tensors` are consecutive equal-stride slices of, or None."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else first.numel()
+    for index, t in enumerate(tensors):
+        if (
+            t.untyped_storage().data_ptr() != storage
+            or t.shape != first.shape
+            or t.stride() != first.stride()
+            or t.storage_offset() != first.storage_offset() + index * step
+        ):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _grouped_fused(
+    hidden_states, table, router_weights, w12, w3, permuted: bool, act, experts_min: int, count: int
+):
+    """`.fused_weights` with two grouped matmuls, or None when this path does not apply."""
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if (
+        grouped_mm is None
+        or hidden_states.device.type not in GROUPED_DEVICES
+        or hidden_states.dtype != torch.bfloat16
+    ):
+        return None
+    gate_up, down = _stacked_view(w12), _stacked_view(w3)
+    if gate_up is None or down is None:
+        return None
+    if permuted:  # grouped_mm takes [E, in, out]
+        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    top_k = table.shape[1]
+    local = table.reshape(-1).long() - experts_min
+    outside = (local < 0) | (local >= count)
+    local = local.masked_fill(outside, count)  # out-of-range pairs sort last, past every group
+    order = torch.argsort(local, stable=True)
+    offsets = torch.cumsum(torch.bincount(local, minlength=count + 1)[:count], 0, dtype=torch.int32)
+    rows = order // top_k
+    try:
+        h = grouped_mm(hidden_states.index_select(0, rows), gate_up, offs=offsets)
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped_mm(act(gate) * up, down, offs=offsets)
+    except RuntimeError:  # shapes or alignment the grouped kernel does not take: use the loop
+        return None
+    weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
+    # Rows past the last group are left unwritten by grouped_mm: select, never multiply, them away.
+    contribution = torch.where(outside[order].unsqueeze(-1), 0.0, y.float() * weights)
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    return out.index_add_(0, rows, contribution).to(hidden_states.dtype)
+
+
 def _swiglu_expert(gate_up: Callable, down: Sequence[torch.Tensor], act, permuted: bool) -> ExpertFn:
     def expert(index: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up(index, x)
@@ -231,6 +289,19 @@ def mixture_of_experts_fused_weights(
     _check_routing(hidden_states, expert_routing_table, router_weights)
     count = _expert_count(experts_min, experts_max)
     _check_fused(hidden_states, w12, w3, permuted_weights, count)
+    grouped = _grouped_fused(
+        hidden_states,
+        expert_routing_table,
+        router_weights,
+        w12,
+        w3,
+        permuted_weights,
+        act,
+        experts_min,
+        count,
+    )
+    if grouped is not None:
+        return grouped
 
     def gate_up(index: int, x: torch.Tensor):
         return _linear(x, w12[index], permuted_weights).chunk(2, dim=-1)

@@ -513,3 +513,48 @@ def test_bridge_double_records_each_call(bridge_double):
     assert bias["overload"] == "bias_fused_weights" and bias["activation"] is None
     assert (bias["experts_min"], bias["experts_max"], bias["num_weights"]) == (4, 7, 4)
     assert bias["options"]["limit"] == 5.0
+
+
+# --- the grouped path (two grouped matmuls over a stacked view; CUDA by default) -------------------
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is not available")
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, experts_min, held",
+    [(0, 4, 2, 0, 4), (1, 8, 8, 0, 8), (33, 16, 3, 0, 16), (20, 16, 2, 4, 8)],
+)
+def test_grouped_path_matches_the_reference(monkeypatch, tokens, experts, top_k, experts_min, held):
+    from moe_passes import fused_op
+    from moe_passes.reference import mixture_of_experts_fused_weights_reference
+
+    monkeypatch.setattr(fused_op, "GROUPED_DEVICES", {"cpu"})
+    calls = []
+    original = fused_op._grouped_fused
+    monkeypatch.setattr(fused_op, "_grouped_fused", lambda *a: calls.append(1) or original(*a))
+    g = torch.Generator().manual_seed(tokens + held)
+    x = torch.randn(tokens, 64, generator=g).bfloat16()
+    rows = [torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]
+    ids = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)
+    w = torch.rand(tokens, top_k, generator=g).bfloat16()
+    w12 = list((torch.randn(held, 64, 64, generator=g) / 8).bfloat16().unbind(0))
+    w3 = list((torch.randn(held, 64, 32, generator=g) / 8).bfloat16().unbind(0))
+    args = (x, ids, w, w12, w3, True, "silu", experts_min, experts_min + held - 1)
+    assert (
+        fused_op._grouped_fused(x, ids, w, w12, w3, True, torch.nn.functional.silu, experts_min, held)
+        is not None
+    )
+    actual = torch.ops.moe_passes.mixture_of_experts.fused_weights(*args)
+    torch.testing.assert_close(
+        actual.float(), mixture_of_experts_fused_weights_reference(*args).float(), atol=3e-2, rtol=3e-2
+    )
+    assert calls, "the grouped path was not taken"
+
+
+def test_stacked_view_is_recovered_only_from_consecutive_slices():
+    from moe_passes.fused_op import _stacked_view
+
+    stacked = torch.randn(4, 6, 8)
+    assert torch.equal(_stacked_view(list(stacked.unbind(0))), stacked)
+    assert torch.equal(_stacked_view(list(stacked.transpose(-2, -1).unbind(0))), stacked.transpose(-2, -1))
+    assert _stacked_view([stacked[0], stacked[2], stacked[1], stacked[3]]) is None
+    assert _stacked_view([torch.randn(6, 8) for _ in range(4)]) is None
