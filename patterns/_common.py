@@ -28,13 +28,23 @@ ACTIVATIONS = {
 }
 
 
-def settings(overrides: dict, allowed=tuple(DEFAULTS)) -> dict:
-    """Defaults updated with `overrides`; unknown keys and bad values are errors, not silent no-ops."""
+def settings(overrides: dict, exclude: tuple[str, ...] = ()) -> dict:
+    """Defaults updated with `overrides`; unknown keys and bad values are errors, not silent no-ops.
+
+    `exclude` names defaults a form cannot honour (e.g. `activation` where the source hard-codes SiLU):
+    passing one is an error rather than an override that silently does nothing.
+    """
+    allowed = [key for key in DEFAULTS if key not in exclude]
     unknown = sorted(set(overrides) - set(allowed))
     if unknown:
         raise TypeError(f"build() got unknown override(s) {unknown}; allowed: {sorted(allowed)}")
-    out = {k: v for k, v in DEFAULTS.items() if k in allowed}
+    out = {key: DEFAULTS[key] for key in allowed}
     out.update(overrides)
+    for size in ("num_experts", "top_k", "hidden", "intermediate", "tokens", "layers"):
+        if not isinstance(out[size], int) or out[size] < 1:
+            raise ValueError(f"{size} must be a positive int, got {out[size]!r}")
+    if not isinstance(out["dtype"], torch.dtype) or not out["dtype"].is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {out['dtype']!r}")
     if out.get("routing", ROUTINGS[0]) not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {out['routing']!r}")
     if out.get("activation", "silu") not in ACTIVATIONS:

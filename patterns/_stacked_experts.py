@@ -1,8 +1,11 @@
 """The transformers 5.x MoE block shell shared by the grouped-GEMM and batched-GEMM forms.
 
-Mirrors `Qwen3MoeSparseMoeBlock` / `Qwen3MoeExperts` of transformers 5.x
-(`src/transformers/models/qwen3_moe/modeling_qwen3_moe.py`): a router returning top-k weights and ids,
-and experts stored stacked as `gate_up_proj [E, 2I, H]` (gate rows first) and `down_proj [E, H, I]`.
+Mirrors transformers 5.23.0 (release wheel) `src/transformers/models/qwen3_moe/modeling_qwen3_moe.py`:
+`Qwen3MoeSparseMoeBlock.forward` (flatten to [T, H], route, experts, reshape back), `Qwen3MoeTopKRouter`
+(linear → softmax(float32) → top-k → optional renormalise → cast to the logits dtype; here `_common.route`)
+and `Qwen3MoeExperts`, stored stacked as `gate_up_proj [E, 2I, H]` (gate rows first) and
+`down_proj [E, H, I]`, with `_default_apply_gate` from `src/transformers/integrations/moe.py`. The
+experts' forward is the backend a form plugs in, as `use_experts_implementation` does.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from ._common import ACTIVATIONS, Router
 
 
 class StackedExperts(nn.Module):
+    """`Qwen3MoeExperts` storage; `forward` dispatches to the given experts backend."""
+
     def __init__(self, cfg: dict, experts_forward):
         super().__init__()
         e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
@@ -24,6 +29,7 @@ class StackedExperts(nn.Module):
         self._experts_forward = experts_forward
 
     def apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`_default_apply_gate`: concatenated halves, gate first: act(gate) * up."""
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
@@ -32,6 +38,8 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    """`Qwen3MoeSparseMoeBlock`: [B, S, H] in and out, experts on the flattened tokens."""
+
     def __init__(self, cfg: dict, experts_forward):
         super().__init__()
         self.gate = Router(cfg)

@@ -1,6 +1,7 @@
 """transformers 5.x batched-GEMM experts (`experts_implementation="batched_mm"`; used for decode on GPU).
 
-Mirrors `batched_mm_experts_forward` in transformers 5.23 `src/transformers/integrations/moe.py`:
+Mirrors transformers 5.23.0 (release wheel) `src/transformers/integrations/moe.py`:
+`batched_mm_experts_forward` with `_batched_linear` (no bias, not transposed, not expert-parallel):
 `x.repeat_interleave(k, 0)`, per-slot weight copies `gate_up_proj[ids]`, `bmm(W, x[..., None])` →
 `act(gate) * up` → `bmm(down_proj[ids], .)` → `* w[:, None]` → `.view(T, k, H).sum(1).to(dtype)`;
 block shell from `_stacked_experts.py`.
@@ -21,6 +22,7 @@ EXPECTED = Expected(fused=2, overload="fused_weights")
 
 
 def batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """[T, H] -> [T, H]: one matrix-vector product per (token, slot) against a gathered weight copy."""
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.shape
     selected = hidden_states.repeat_interleave(num_top_k, dim=0)
@@ -34,5 +36,6 @@ def batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def build(**overrides):
+    """(TinyDecoder of batched-GEMM SparseMoeBlocks, (x [1, T, H],)); every `_common.DEFAULTS` key applies."""
     cfg = settings(overrides)
     return finish(TinyDecoder(lambda c: SparseMoeBlock(c, batched_mm_experts_forward), cfg), cfg)

@@ -1,13 +1,16 @@
 """An `nn.ModuleList` of gate/up/down experts run densely, each weighted through a top-k mask.
 
-Mirrors hand-written MoE blocks of the kind optimum-habana uses on its DeepSeek-V3 training path
-(`optimum/habana/transformers/models/deepseek_v3/modeling_deepseek_v3.py`, the `padded_weights` dense
-loop over `self.experts`) and the static-shape blocks people write to avoid data-dependent shapes:
-`for e in range(E): out += expert_e(x) * (w * (ids == e)).sum(-1, keepdim=True)`, with experts holding
-`gate_proj`, `up_proj`, `down_proj` `nn.Linear`s (Qwen/DeepSeek naming).
+Mirrors the static dense loop over `self.experts` in huggingface/optimum-habana
+`optimum/habana/transformers/models/deepseek_v3/modeling_deepseek_v3.py` at commit 0158412
+(`GaudiDeepseekV3MoE.forward`, training branch; experts are `GaudiDeepseekV3MLP` with bias-free
+`gate_proj`/`up_proj`/`down_proj` `nn.Linear`s): every expert runs on all tokens and its output is
+scaled by that expert's per-token routing weight, then summed. That file takes the weight column from
+a scattered `padded_weights` table; this form takes it the other way hand-written static-shape blocks
+do, with a dense mask: `w_e = (topk_weights * (topk_ids == e)).sum(-1, keepdim=True)`.
 
-The rewrite must turn each layer into ONE `default` call (gate and up are separate weights), with
-w1 = gate_proj, w2 = up_proj, w3 = down_proj.
+The rewrite must turn each layer into ONE `default` call (gate and up are separate weights) with
+w1 = gate_proj, w2 = up_proj, w3 = down_proj, which is what the same file's inference branch
+(`call_dynamic_moe_op`) passes to `torch.ops.hpu.mixture_of_experts` by hand.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from ._expected import Expected
 EXPECTED = Expected(fused=2, overload="default")
 
 
+def expert_weight(weights: torch.Tensor, ids: torch.Tensor, expert: int) -> torch.Tensor:
+    """[T, 1]: the routing weight token t gave `expert` (zero when it did not pick it)."""
+    return (weights * (ids == expert)).sum(dim=-1, keepdim=True)
+
+
 class MaskedLoopMoE(nn.Module):
+    """Router + ModuleList of GatedMLP experts, combined by a dense loop over all experts."""
+
     def __init__(self, cfg: dict):
         super().__init__()
         self.router = Router(cfg)
@@ -35,11 +45,11 @@ class MaskedLoopMoE(nn.Module):
         weights, ids = self.router(x)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            weight_e = (weights * (ids == e)).sum(dim=-1, keepdim=True)
-            out = out + expert(x) * weight_e
+            out = out + expert(x) * expert_weight(weights, ids, e)
         return out.view(shape)
 
 
 def build(**overrides):
+    """(TinyDecoder of MaskedLoopMoE layers, (x [1, T, H],)); every `_common.DEFAULTS` key applies."""
     cfg = settings(overrides)
     return finish(TinyDecoder(MaskedLoopMoE, cfg), cfg)

@@ -1,9 +1,11 @@
 """Near miss: experts that do not share one activation.
 
-The same dense-mask `nn.ModuleList` loop as `patterns/modulelist_dense_mask.py` (hand-written MoE blocks), but
-expert 0 uses GELU while the others use SiLU, as happens when experts are assembled from different
-checkpoints. The kernel takes ONE activation for all experts, so the rewrite must leave each layer
-untouched and report it declined, naming the activations.
+The dense-mask `nn.ModuleList` loop of `patterns/modulelist_dense_mask.py` (after huggingface/
+optimum-habana `optimum/habana/transformers/models/deepseek_v3/modeling_deepseek_v3.py` at commit
+0158412, `GaudiDeepseekV3MoE.forward`), except that expert 0 uses GELU (tanh) while the others use
+SiLU, as when experts are assembled from different checkpoints. The kernel takes ONE activation for
+all experts, so the rewrite must leave each layer untouched and report it declined, naming the
+activations.
 """
 
 from __future__ import annotations
@@ -14,14 +16,19 @@ from .modulelist_dense_mask import MaskedLoopMoE
 
 EXPECTED = Expected(fused=0, declined=2, reason="activation")
 
+ODD_EXPERT, ODD_ACTIVATION, COMMON_ACTIVATION = 0, "gelu", "silu"
+
 
 class MixedActivationMoE(MaskedLoopMoE):
+    """MaskedLoopMoE whose expert 0 is a GELU MLP among SiLU ones."""
+
     def __init__(self, cfg: dict):
         super().__init__(cfg)
-        self.experts[0] = GatedMLP(cfg["hidden"], cfg["intermediate"], "gelu")
+        self.experts[ODD_EXPERT] = GatedMLP(cfg["hidden"], cfg["intermediate"], ODD_ACTIVATION)
 
 
 def build(**overrides):
-    cfg = settings(overrides, allowed=tuple(k for k in settings({}) if k != "activation"))
-    cfg["activation"] = "silu"  # for every expert but expert 0
+    """(TinyDecoder of MixedActivationMoE layers, (x [1, T, H],)); all `_common.DEFAULTS` but `activation`."""
+    cfg = settings(overrides, exclude=("activation",))
+    cfg["activation"] = COMMON_ACTIVATION
     return finish(TinyDecoder(MixedActivationMoE, cfg), cfg)
