@@ -63,11 +63,12 @@ def build(family: str, implementation: str, dtype: torch.dtype):
     return model, (input_ids,)
 
 
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_moe_layer_fused_eager_inner(family, implementation):
+def test_every_moe_layer_fused(family, implementation, inner):
     model, inputs = build(family, implementation, torch.float32)
-    report, output, recorder = run_hpu_moe(model, inputs, inner="eager")
+    report, output, recorder = run_hpu_moe(model, inputs, inner=inner)
     assert report.graph_count == 1 and report.graph_break_count == 0 and report.compile_count == 1
     assert len(report.fused) == LAYERS, str(report)
     assert not report.declined, str(report)
@@ -95,3 +96,27 @@ def test_routing_is_reported():
     model, inputs = build("mixtral", "grouped_mm", torch.float32)
     report, _, _ = run_hpu_moe(model, inputs)
     assert {f.routing for f in report.fused} == {"softmax_topk, renormalised, fp32 softmax"}
+
+
+def test_fused_calls_snapshot():
+    """What feeds each fused call in a real model: routing, casts, the unbound stacked weights."""
+    from expecttest import assert_expected_inline
+
+    from moe_passes.printer import format_fused_calls
+
+    model, inputs = build("mixtral", "grouped_mm", torch.bfloat16)
+    _, _, recorder = run_hpu_moe(model, inputs)
+    assert_expected_inline(format_fused_calls(recorder.graphs[0], depth=1), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, in14):
+  %0 = aten.view(in0, [-1, 16])
+  %1 = getitem(in1, 1)
+  %2 = aten._to_copy(in2, dtype=bfloat16)
+  %3 = moe_passes.mixture_of_experts.fused_weights(%0, %1, %2, in3[0:4], in4[0:4], True, 'silu', 0, 3)
+  %4 = aten.view(in5, [-1, 16])
+  %5 = getitem(in6, 1)
+  %6 = aten._to_copy(in7, dtype=bfloat16)
+  %7 = moe_passes.mixture_of_experts.fused_weights(%4, %5, %6, in8[0:4], in9[0:4], True, 'silu', 0, 3)
+  %8 = aten.view(in10, [-1, 16])
+  %9 = getitem(in11, 1)
+  %10 = aten._to_copy(in12, dtype=bfloat16)
+  %11 = moe_passes.mixture_of_experts.fused_weights(%8, %9, %10, in13[0:4], in14[0:4], True, 'silu', 0, 3)""")
