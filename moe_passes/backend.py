@@ -116,13 +116,14 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         )
     for d in record.declined:
         log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
-    return compiler(graph, example_inputs, **({"mode": mode} if mode and _accepts_mode(compiler) else {}))
+    return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
 
 
-def _accepts_mode(compiler) -> bool:
-    import inspect
+def _compile_inner(compiler, inner, graph, example_inputs, mode):
+    """Hand the graph on; `torch.compile(mode=...)` reaches inductor as its config, as it would directly."""
+    if mode and mode != "default" and inner_name(inner) == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
 
-    try:
-        return "mode" in inspect.signature(compiler).parameters
-    except (TypeError, ValueError):
-        return False
+        return compile_fx(graph, example_inputs, config_patches=list_mode_options(mode))
+    return compiler(graph, example_inputs)

@@ -191,3 +191,22 @@ def test_dynamic_shapes_keep_one_fused_call_per_layer():
             x = torch.randn(1, tokens, inputs[0].shape[-1], dtype=inputs[0].dtype)
             assert_close_for_dtype(compiled(x), model(x))
     assert len(recorder.graphs) == 1 and len(recorder.fused_nodes()) == 2
+
+
+def test_compile_mode_reaches_inductor(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    original = compile_fx_module.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return original(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    model, inputs = _form()
+    with torch.no_grad():
+        # torch.compile takes `mode` or `options`, not both: with mode alone the defaults apply.
+        out = torch.compile(model, backend="hpu_moe", mode="max-autotune-no-cudagraphs")(*inputs)
+    assert seen and seen[0].get("max_autotune") is True
+    assert_close_for_dtype(out, eager_output(model, inputs))

@@ -106,7 +106,9 @@ def test_fused_calls_snapshot():
 
     model, inputs = build("mixtral", "grouped_mm", torch.bfloat16)
     _, _, recorder = run_hpu_moe(model, inputs)
-    assert_expected_inline(format_fused_calls(recorder.graphs[0], depth=1), """\
+    assert_expected_inline(
+        format_fused_calls(recorder.graphs[0], depth=1),
+        """\
 graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, in14):
   %0 = aten.view(in0, [-1, 16])
   %1 = getitem(in1, 1)
@@ -119,4 +121,5 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
   %8 = aten.view(in10, [-1, 16])
   %9 = getitem(in11, 1)
   %10 = aten._to_copy(in12, dtype=bfloat16)
-  %11 = moe_passes.mixture_of_experts.fused_weights(%8, %9, %10, in13[0:4], in14[0:4], True, 'silu', 0, 3)""")
+  %11 = moe_passes.mixture_of_experts.fused_weights(%8, %9, %10, in13[0:4], in14[0:4], True, 'silu', 0, 3)""",
+    )
