@@ -16,8 +16,10 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_shape_ops, within
+from .biases import bias_fields
+from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import activation_of, gated_product, halves
+from .mlp import activation_of, clamped_swiglu, gated_product, halves
 
 aten = torch.ops.aten
 FORM = "batched_mm"
@@ -32,7 +34,7 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
 
 
 def _near_bmm_of_gathered_weights(node: Node) -> bool:
-    return within(node, 6, lambda n: is_call(n, aten.bmm.default) and any(_gathered(a) for a in n.args))
+    return within(node, 10, lambda n: is_call(n, aten.bmm.default) and any(_gathered(a) for a in n.args))
 
 
 def _gathered(node: Node) -> tuple[Node, Node] | None:
@@ -94,25 +96,40 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no("routing weights do not scale the expert outputs")
     down = None
     for a, b in ((weighted.args[0], weighted.args[1]), (weighted.args[1], weighted.args[0])):
-        if isinstance(a, Node) and _batched_linear(strip_casts(a)) is not None and isinstance(b, Node):
-            down, slot_weights = _batched_linear(strip_casts(a)), b
+        if not (isinstance(a, Node) and isinstance(b, Node)):
+            continue
+        unbiased, down_bias, down_bias_ids = _with_bias(strip_casts(a))
+        if _batched_linear(unbiased) is not None:
+            down, slot_weights = _batched_linear(unbiased), b
             break
     if down is None:
         return no("routing weights do not multiply the output of a batched down projection")
     down_in, down_w, down_ids, down_out_in = down
-    product = gated_product(down_in)
-    if product is None:
-        return no("the down projection input is not act(gate) * up")
-    activation, described = activation_of(product.activation_node)
-    if activation is None:
-        return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
-    split = halves(product.gate, product.up)
-    if split is None:
-        return no("gate and up are not the two halves of one batched projection")
-    up = _batched_linear(split[0])
+    swiglu = clamped_swiglu(down_in)
+    product = None if swiglu is not None else gated_product(down_in)
+    if swiglu is not None:
+        activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
+        gate_up_out, up_bias, up_bias_ids = _with_bias(swiglu.projection)
+    elif product is not None:
+        activation, described = activation_of(product.activation_node)
+        if activation is None:
+            return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
+        split = halves(product.gate, product.up)
+        if split is None:
+            return no("gate and up are not the two halves of one batched projection")
+        gate_up_out, up_bias, up_bias_ids = _with_bias(split[0])
+    else:
+        return no("the down projection input is not act(gate) * up (the kernel needs gated experts)")
+    if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
+        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel")
+    up = _batched_linear(gate_up_out)
     if up is None:
         return no("gate/up is not a batched matmul of per-slot gathered weights")
     rows, gate_up_w, up_ids, up_out_in = up
+    if swiglu is not None and not (
+        strip_shape_ops(up_bias_ids) is strip_shape_ops(up_ids) is strip_shape_ops(down_bias_ids)
+    ):
+        return no("expert biases are gathered with other ids than the weights")
     if strip_shape_ops(up_ids) is not strip_shape_ops(down_ids):
         return no("the two projections gather weights with different ids")
     hidden_states = _repeated_rows(_first_expand(rows), top_k)
@@ -140,4 +157,5 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         activation=activation,
         gate_up=ExpertWeights(stacked=gate_up_w, out_in=up_out_in),
         down=ExpertWeights(stacked=down_w, out_in=down_out_in),
+        **bias_fields(swiglu, up_bias, down_bias),
     )

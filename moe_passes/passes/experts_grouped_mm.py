@@ -16,8 +16,10 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import const_int, is_call, is_cast, is_getitem, shape, strip_casts, strip_shape_ops, within
+from .biases import bias_fields
+from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import activation_of, gated_product, halves
+from .mlp import activation_of, clamped_swiglu, gated_product, halves
 
 aten = torch.ops.aten
 FORM = "grouped_mm"
@@ -69,7 +71,7 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
 
 def _feeds_from_grouped_mm(node: Node) -> bool:
     """Cheap pre-filter: a grouped_mm within a few steps above the sum."""
-    return within(node, 6, is_grouped_mm)
+    return within(node, 10, is_grouped_mm)
 
 
 def match_at(out: Node) -> ExpertsMatch | Decline:
@@ -92,24 +94,35 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
 
     if not is_call(weighted, aten.mul.Tensor):
         return no("routing weights do not scale the expert outputs")
-    down_mm, slot_weights = _split_product(weighted)
-    if down_mm is None:
+    down_out, slot_weights = _split_product(weighted)
+    down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
+    if down_mm is None or not is_grouped_mm(down_mm):
         return no("routing weights do not multiply the output of the down projection")
     flat_weights = _gathered_by(slot_weights, perm)
     if flat_weights is None:
         return no("routing weights are not permuted like the tokens")
 
     down_in, down_w, offs = _grouped_args(down_mm)
-    product = gated_product(down_in)
-    if product is None:
-        return no("the down projection input is not act(gate) * up")
-    activation, described = activation_of(product.activation_node)
-    if activation is None:
-        return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
-    split = halves(product.gate, product.up)
-    if split is None:
-        return no("gate and up are not the two halves of one grouped projection")
-    gate_up_mm, _intermediate = split
+    swiglu = clamped_swiglu(down_in)
+    product = None if swiglu is not None else gated_product(down_in)
+    if swiglu is not None:
+        activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
+        gate_up_out = swiglu.projection
+    elif product is not None:
+        activation, described = activation_of(product.activation_node)
+        if activation is None:
+            return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
+        split = halves(product.gate, product.up)
+        if split is None:
+            return no("gate and up are not the two halves of one grouped projection")
+        gate_up_out = split[0]
+    else:
+        return no("the down projection input is not act(gate) * up (the kernel needs gated experts)")
+    gate_up_mm, up_bias, up_bias_ids = _with_bias(gate_up_out)
+    if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
+        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel")
+    if swiglu is not None and not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
+        return no("expert biases are not gathered with the sorted expert ids")
     if not is_grouped_mm(gate_up_mm):
         return no("gate/up is not produced by a grouped matmul")
     rows, gate_up_w, offs_up = _grouped_args(gate_up_mm)
@@ -144,6 +157,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         activation=activation,
         gate_up=ExpertWeights(stacked=gate_up, out_in=gate_up_out_in),
         down=ExpertWeights(stacked=down, out_in=down_out_in),
+        **bias_fields(swiglu, up_bias, down_bias),
     )
 
 
@@ -156,11 +170,18 @@ def _final_output(out: Node) -> Node:
 
 
 def _split_product(mul: Node) -> tuple[Node | None, Node | None]:
+    """(down projection output, routing weights) of mul(grouped_mm [+ bias], w)."""
     for a, b in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
         a_src = strip_casts(a) if isinstance(a, Node) else None
-        if a_src is not None and is_grouped_mm(a_src) and isinstance(b, Node):
+        if a_src is not None and is_grouped_mm(_with_bias(a_src)[0]) and isinstance(b, Node):
             return a_src, b
     return None, None
+
+
+def _is_sorted_ids(ids: Node, perm: Node) -> bool:
+    """ids is the sorted-ids output of the sort that produced perm."""
+    ids = strip_casts(ids)
+    return is_getitem(ids, 0) and is_getitem(perm, 1) and ids.args[0] is perm.args[0]
 
 
 def _inverse_of(inverse: Node) -> Node | None:

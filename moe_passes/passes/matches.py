@@ -66,11 +66,17 @@ class ExpertsMatch:
     gate_up: ExpertWeights | None = None  # fused_weights: gate rows then up rows
     gate: ExpertWeights | None = None  # default: separate gate and up
     up: ExpertWeights | None = None
+    gate_up_bias: ExpertWeights | None = None  # bias_fused_weights (GPT-OSS): per-expert biases
+    down_bias: ExpertWeights | None = None
+    alpha: float | None = None  # clamped swiglu parameters of bias_fused_weights
+    limit: float | None = None
 
     @property
     def overload(self) -> str:
+        if self.gate_up_bias is not None:
+            return "bias_fused_weights"
         return "fused_weights" if self.gate_up is not None else "default"
 
     def weight_nodes(self) -> tuple[Node, ...]:
-        roles = (self.gate_up, self.gate, self.up, self.down)
+        roles = (self.gate_up, self.gate, self.up, self.down, self.gate_up_bias, self.down_bias)
         return tuple(n for role in roles if role is not None for n in role.nodes())

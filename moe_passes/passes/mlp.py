@@ -144,3 +144,59 @@ def _is_2d_swap(node: Node) -> bool:
     if is_call(node, aten.permute.default):
         return list(node.args[1]) == [1, 0]
     return False
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """GPT-OSS's gate: gate/up interleaved in one projection, clamped, (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    projection: Node  # [..., 2I], gate in the even columns, up in the odd ones
+    alpha: float
+    limit: float
+
+
+def _interleaved_half(node: Node, start: int) -> Node | None:
+    """The source of `node` = source[..., start::2] (a last-dim slice with step 2)."""
+    node = strip_shape_ops(node)
+    if not is_call(node, aten.slice.Tensor) or len(node.args) < 5:
+        return None
+    source, dim, begin, _end, step = node.args[:5]
+    if step != 2 or begin != start or not _last_dim(node, dim):
+        return None
+    return strip_shape_ops(source)
+
+
+def clamped_swiglu(node: Node) -> ClampedSwiglu | None:
+    """Match (clamp(up, -L, L) + 1) * (g * sigmoid(g * alpha)) with g = clamp(gate, max=L)."""
+    node = strip_shape_ops(node)
+    if not is_call(node, aten.mul.Tensor) or not all(isinstance(a, Node) for a in node.args):
+        return None
+    for plus_one, glu in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        plus_one, glu = strip_shape_ops(plus_one), strip_shape_ops(glu)
+        if not (
+            is_call(plus_one, aten.add.Tensor) and plus_one.args[1] == 1 and is_call(glu, aten.mul.Tensor)
+        ):
+            continue
+        up = strip_shape_ops(plus_one.args[0])
+        if not (is_call(up, aten.clamp.default) and len(up.args) == 3):
+            continue
+        gate, sigmoid = (strip_shape_ops(a) for a in glu.args)
+        if is_call(gate, aten.sigmoid.default):
+            gate, sigmoid = sigmoid, gate
+        if not (is_call(gate, aten.clamp.default) and is_call(sigmoid, aten.sigmoid.default)):
+            continue
+        scaled = strip_shape_ops(sigmoid.args[0])
+        if not (is_call(scaled, aten.mul.Tensor) and strip_shape_ops(scaled.args[0]) is gate):
+            continue
+        alpha, limit = scaled.args[1], up.args[2]
+        gate_bounds = (
+            gate.args[1] if len(gate.args) > 1 else None,
+            gate.args[2] if len(gate.args) > 2 else None,
+        )
+        if gate_bounds != (None, limit) or up.args[1] != -limit or not isinstance(alpha, float | int):
+            continue
+        source = _interleaved_half(gate.args[0], 0)
+        if source is None or _interleaved_half(up.args[0], 1) is not source:
+            continue
+        return ClampedSwiglu(source, float(alpha), float(limit))
+    return None

@@ -74,7 +74,7 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
     """Emit the fused call for `match` and route the region's users to it; returns the fused node."""
     fake_mode = detect_fake_mode([val(match.output)])
     emit = _Emitter(graph, fake_mode)
-    roles = [r for r in (match.gate_up, match.gate, match.up, match.down) if r is not None]
+    roles = [r for r in (match.gate_up, match.gate, match.up, match.down) if r is not None]  # biases excluded
     permuted = any(r.out_in for r in roles)
 
     with graph.inserting_before(match.output):
@@ -89,6 +89,10 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
             values["w1"] = _weight_list(emit, match.gate, permuted)
             values["w2"] = _weight_list(emit, match.up, permuted)
         values["w3"] = _weight_list(emit, match.down, permuted)
+        if match.gate_up_bias is not None:  # bias_fused_weights: biases are 1-D, never transposed
+            values["w12_bias"] = _weight_list(emit, match.gate_up_bias, match.gate_up_bias.out_in)
+            values["w3_bias"] = _weight_list(emit, match.down_bias, match.down_bias.out_in)
+            values.update(alpha=match.alpha, limit=match.limit)
         values.update(
             permuted_weights=permuted,
             activation=match.activation,
