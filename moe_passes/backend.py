@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.backends.registry import list_backends, lookup_backend
 
 from . import lowering
-from .ir import to_canonical_aten
+from .ir import to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes.pipeline import fuse_moe
 from .report import Declined, GraphRecord, next_graph_index, publish
@@ -69,6 +69,7 @@ def rewrite_graph(
             )
             return None
     record.fused.extend(fused)
+    views_to_reshapes(canonical)
     _trace_artifact(f"hpu_moe_rewritten_graph_{record.index}", canonical)
     return canonical
 
@@ -116,7 +117,22 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         )
     for d in record.declined:
         log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
-    return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
+    if graph is gm:
+        return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
+    try:
+        return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
+    except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
+        record.fallback = (
+            f"the inner backend failed on the rewritten graph, compiled the captured one instead: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        )
+        record.declined.extend(
+            Declined(f.layer, f.form, "the inner backend failed on the rewritten graph", record.index)
+            for f in record.fused
+        )
+        record.fused.clear()
+        warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
+        return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
 
 
 def _compile_inner(compiler, inner, graph, example_inputs, mode):

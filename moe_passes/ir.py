@@ -55,3 +55,19 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def views_to_reshapes(gm: torch.fx.GraphModule) -> None:
+    """Turn `view`s into `reshape`s before the graph is handed on.
+
+    The inner backend re-traces the graph with its own decompositions, which may lay intermediates out
+    with other strides than this trace saw; a `view` recorded here can then be impossible there, while
+    a `reshape` means the same values and copies only when it must.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten.view.default,
+            torch.ops.aten._unsafe_view.default,
+        ):
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()

@@ -210,3 +210,25 @@ def test_compile_mode_reaches_inductor(monkeypatch):
         out = torch.compile(model, backend="hpu_moe", mode="max-autotune-no-cudagraphs")(*inputs)
     assert seen and seen[0].get("max_autotune") is True
     assert_close_for_dtype(out, eager_output(model, inputs))
+
+
+def test_inner_failure_on_the_rewritten_graph_compiles_the_captured_one():
+    """If the inner backend rejects the rewritten graph, the user still gets a compiled model."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    seen = []
+
+    def picky_inner(gm, example_inputs):
+        if any(n.op == "call_function" and "mixture_of_experts" in str(n.target) for n in gm.graph.nodes):
+            raise RuntimeError("simulated inner backend failure")
+        seen.append(gm)
+        return lookup_backend("eager")(gm, example_inputs)
+
+    model, inputs = _form()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report, output, _ = run_hpu_moe(model, inputs, inner=picky_inner)
+    assert len(seen) == 1 and not report.fused
+    assert len(report.declined) == 2 and "inner backend failed" in report.declined[0].reason
+    assert any("simulated inner backend failure" in str(w.message) for w in caught)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -53,7 +53,51 @@ def qwen3_moe_not_renormalised(implementation: str, dtype: torch.dtype):
     return model
 
 
-FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen3_moe_plain_topk": qwen3_moe_not_renormalised}
+def qwen2_moe(implementation: str, dtype: torch.dtype):
+    """Qwen2-MoE: a sigmoid-gated shared expert stays beside the fused call."""
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, experts_implementation=implementation,
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def deepseek_v3(implementation: str, dtype: torch.dtype):
+    """DeepSeek-V3: sigmoid scores + correction bias + grouped top-k, routed scaling, shared experts."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=LAYERS,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, head_dim=16, n_shared_experts=1, experts_implementation=implementation,
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def gpt_oss(implementation: str, dtype: torch.dtype):
+    """GPT-OSS: top-k on logits then softmax; interleaved gate/up with biases and a clamped swiglu."""
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"] * LAYERS, experts_implementation=implementation,
+    )
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():  # its init leaves expert weights at zero: give them values that matter
+        for name, parameter in model.named_parameters():
+            if ".experts." in name:
+                parameter.normal_(std=0.2)
+    return model
+
+
+FAMILIES = {
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+    "qwen3_moe_plain_topk": qwen3_moe_not_renormalised,
+    "qwen2_moe": qwen2_moe,
+    "deepseek_v3": deepseek_v3,
+    "gpt_oss": gpt_oss,
+}
+OVERLOAD = {"gpt_oss": "bias_fused_weights"}
 
 
 def build(family: str, implementation: str, dtype: torch.dtype):
@@ -74,7 +118,8 @@ def test_every_moe_layer_fused(family, implementation, inner):
     assert not report.declined, str(report)
     assert len(recorder.fused_nodes()) == LAYERS
     assert {f.form for f in report.fused} == {implementation}
-    assert {f.overload for f in report.fused} == {"moe_passes::mixture_of_experts.fused_weights"}
+    overload = OVERLOAD.get(family, "fused_weights")
+    assert {f.overload for f in report.fused} == {f"moe_passes::mixture_of_experts.{overload}"}
     assert [f.layer for f in report.fused] == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
     assert_close_for_dtype(output, eager_output(model, inputs))
 
