@@ -181,14 +181,15 @@ def test_report_json_round_trips():
 
 
 def test_dynamic_shapes_keep_one_fused_call_per_layer():
-    model, inputs = _form()
+    model, inputs = _form("hf_batched_mm")  # float32: no bf16 rounding noise in the comparison
+    generator = torch.Generator().manual_seed(0)
     recorder = RecordingInner()
     compiled = torch.compile(
         model, backend="hpu_moe", dynamic=True, options={"inner": recorder, "target": "portable"}
     )
     with torch.no_grad():
         for tokens in (3, 5, 9):
-            x = torch.randn(1, tokens, inputs[0].shape[-1], dtype=inputs[0].dtype)
+            x = torch.randn(1, tokens, inputs[0].shape[-1], generator=generator)
             assert_close_for_dtype(compiled(x), model(x))
     assert len(recorder.graphs) == 1 and len(recorder.fused_nodes()) == 2
 

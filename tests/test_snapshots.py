@@ -31,7 +31,7 @@ class TestRewrittenGraphs(expecttest.TestCase):
 graph(in0, in1, in2, in3, in4, in5):
   %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
   %1 = getitem(%0, 0)
-  %2 = aten.view(%1, [-1, 16])
+  %2 = aten.reshape(%1, [-1, 16])
   %3 = aten.t(in3)
   %4 = aten.mm(%2, %3)
   %5 = aten._softmax(%4, -1, False)
@@ -51,7 +51,7 @@ graph(in0, in1, in2, in3, in4, in5):
   %19 = aten.reshape(%1, [-1, 16])
   %20 = moe_passes.mixture_of_experts.fused_weights(%19, %8, %10, [%11, %13, %15, %17], [%12, %14, %16, %18], True, 'silu', 0, 3)
   %21 = aten.reshape(%20, [1, 6, 16])
-  %22 = aten.view(%21, [1, 6, 16])
+  %22 = aten.reshape(%21, [1, 6, 16])
   %23 = aten.add.Tensor(in2, %22)
   return [%23]""",
         )
@@ -63,7 +63,7 @@ graph(in0, in1, in2, in3, in4, in5):
 graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, in14, in15):
   %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
   %1 = getitem(%0, 0)
-  %2 = aten.view(%1, [-1, 16])
+  %2 = aten.reshape(%1, [-1, 16])
   %3 = aten.t(in3)
   %4 = aten.mm(%2, %3)
   %5 = aten._softmax(%4, -1, False)
@@ -74,7 +74,7 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
   %10 = aten.div.Tensor(%7, %9)
   %11 = aten.reshape(%1, [-1, 16])
   %12 = moe_passes.mixture_of_experts(%11, %8, %10, [in4, in7, in10, in13], [in5, in8, in11, in14], [in6, in9, in12, in15], True, 'silu', 0, 3)
-  %13 = aten.view(%12, [1, 6, 16])
+  %13 = aten.reshape(%12, [1, 6, 16])
   %14 = aten.add.Tensor(in2, %13)
   return [%14]""",
         )
@@ -86,7 +86,7 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
 graph(in0, in1, in2, in3, in4, in5):
   %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
   %1 = getitem(%0, 0)
-  %2 = aten.view(%1, [-1, 16])
+  %2 = aten.reshape(%1, [-1, 16])
   %3 = aten.t(in3)
   %4 = aten.mm(%2, %3)
   %5 = aten._to_copy(%4, dtype=float32)
@@ -100,7 +100,7 @@ graph(in0, in1, in2, in3, in4, in5):
   %13 = aten.unbind.int(in4, 0)
   %14 = aten.unbind.int(in5, 0)
   %15 = moe_passes.mixture_of_experts.fused_weights(%2, %9, %12, %13[0:4], %14[0:4], True, 'silu', 0, 3)
-  %16 = aten.view(%15, [1, 6, 16])
+  %16 = aten.reshape(%15, [1, 6, 16])
   %17 = aten.add.Tensor(in2, %16)
   return [%17]""",
         )
@@ -112,7 +112,7 @@ graph(in0, in1, in2, in3, in4, in5):
 graph(in0, in1, in2, in3, in4, in5):
   %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
   %1 = getitem(%0, 0)
-  %2 = aten.view(%1, [-1, 16])
+  %2 = aten.reshape(%1, [-1, 16])
   %3 = aten.t(in3)
   %4 = aten.mm(%2, %3)
   %5 = aten._softmax(%4, -1, False)
@@ -124,7 +124,7 @@ graph(in0, in1, in2, in3, in4, in5):
   %11 = aten.unbind.int(in4, 0)
   %12 = aten.unbind.int(in5, 0)
   %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
-  %14 = aten.view(%13, [1, 6, 16])
+  %14 = aten.reshape(%13, [1, 6, 16])
   %15 = aten.add.Tensor(in2, %14)
   return [%15]""",
         )
@@ -136,7 +136,7 @@ graph(in0, in1, in2, in3, in4, in5):
             """\
 graph(in0, in1, in2, in3):
   %0 = getitem(in0, 0)
-  %1 = aten.view(%0, [-1, 16])
+  %1 = aten.reshape(%0, [-1, 16])
   %2 = aten.topk(in1, 2)
   %3 = getitem(%2, 0)
   %4 = getitem(%2, 1)

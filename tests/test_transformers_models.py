@@ -155,15 +155,15 @@ def test_fused_calls_snapshot():
         format_fused_calls(recorder.graphs[0], depth=1),
         """\
 graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, in14):
-  %0 = aten.view(in0, [-1, 16])
+  %0 = aten.reshape(in0, [-1, 16])
   %1 = getitem(in1, 1)
   %2 = aten._to_copy(in2, dtype=bfloat16)
   %3 = moe_passes.mixture_of_experts.fused_weights(%0, %1, %2, in3[0:4], in4[0:4], True, 'silu', 0, 3)
-  %4 = aten.view(in5, [-1, 16])
+  %4 = aten.reshape(in5, [-1, 16])
   %5 = getitem(in6, 1)
   %6 = aten._to_copy(in7, dtype=bfloat16)
   %7 = moe_passes.mixture_of_experts.fused_weights(%4, %5, %6, in8[0:4], in9[0:4], True, 'silu', 0, 3)
-  %8 = aten.view(in10, [-1, 16])
+  %8 = aten.reshape(in10, [-1, 16])
   %9 = getitem(in11, 1)
   %10 = aten._to_copy(in12, dtype=bfloat16)
   %11 = moe_passes.mixture_of_experts.fused_weights(%8, %9, %10, in13[0:4], in14[0:4], True, 'silu', 0, 3)""",
