@@ -40,20 +40,14 @@ graph(in0, in1, in2, in3, in4, in5):
   %8 = getitem(%6, 1)
   %9 = aten.sum.dim_IntList(%7, [-1], True)
   %10 = aten.div.Tensor(%7, %9)
-  %11 = aten.select.int(in4, 0, 0)
-  %12 = aten.select.int(in5, 0, 0)
-  %13 = aten.select.int(in4, 0, 1)
-  %14 = aten.select.int(in5, 0, 1)
-  %15 = aten.select.int(in4, 0, 2)
-  %16 = aten.select.int(in5, 0, 2)
-  %17 = aten.select.int(in4, 0, 3)
-  %18 = aten.select.int(in5, 0, 3)
-  %19 = aten.reshape(%1, [-1, 16])
-  %20 = moe_passes.mixture_of_experts.fused_weights(%19, %8, %10, [%11, %13, %15, %17], [%12, %14, %16, %18], True, 'silu', 0, 3)
-  %21 = aten.reshape(%20, [1, 6, 16])
-  %22 = aten.reshape(%21, [1, 6, 16])
-  %23 = aten.add.Tensor(in2, %22)
-  return [%23]""",
+  %11 = aten.reshape(%1, [-1, 16])
+  %12 = aten.unbind.int(in4, 0)
+  %13 = aten.unbind.int(in5, 0)
+  %14 = moe_passes.mixture_of_experts.fused_weights(%11, %8, %10, %12[0:4], %13[0:4], True, 'silu', 0, 3)
+  %15 = aten.reshape(%14, [1, 6, 16])
+  %16 = aten.reshape(%15, [1, 6, 16])
+  %17 = aten.add.Tensor(in2, %16)
+  return [%17]""",
         )
 
     def test_modulelist_dense_mask(self):

@@ -229,7 +229,21 @@ def _role(terms: list[ExpertTerm], name: str) -> ExpertWeights | str | None:
     dtypes = {dtype(w) for w in weights}
     if len(shapes) != 1 or len(dtypes) != 1:
         return f"the {name} weights of the experts differ in shape or dtype"
+    stacked = _stacked_source(weights)
+    if stacked is not None:  # w[e] for e = 0..E-1 of one stacked parameter: pass the stack itself
+        return ExpertWeights(stacked=stacked, out_in=projections[0].out_in)
     return ExpertWeights(per_expert=tuple(weights), out_in=projections[0].out_in)
+
+
+def _stacked_source(weights: list[Node]) -> Node | None:
+    """S when weights[e] is select(S, 0, e) for every e and S holds exactly these experts."""
+    if not all(is_call(w, aten.select.int) for w in weights):
+        return None
+    source = weights[0].args[0]
+    for index, w in enumerate(weights):
+        if w.args[0] is not source or w.args[1] != 0 or const_int(w.args[2]) != index:
+            return None
+    return source if const_int(shape(source)[0]) == len(weights) else None
 
 
 def _frontier(terms: list[ExpertTerm]) -> tuple[set[Node], list[list[Node]]]:
