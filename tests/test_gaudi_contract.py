@@ -91,3 +91,47 @@ def test_portable_target_can_be_forced_beside_the_bridge():
     assert out["report_target"] == "portable"
     assert set(out["overloads"]) == {"moe_passes::mixture_of_experts.fused_weights"}
     assert out["calls"] == []
+
+
+GPT_OSS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from tests import hpu_contract
+    hpu_contract.register_fake_gaudi_bridge()
+    from tests.test_transformers_models import build
+    from tests.helpers import RecordingInner, eager_output
+    from moe_passes.explain import explain_and_run
+
+    model, inputs = build("gpt_oss", "grouped_mm", torch.bfloat16)
+    recorder = RecordingInner("eager")
+    report, output = explain_and_run(model, *inputs, options={{"inner": recorder}})
+    expected = eager_output(model, inputs)
+    print(json.dumps({{
+        "overloads": [f.overload for f in report.fused],
+        "calls": hpu_contract.CALLS,
+        "max_error": (output.logits.float() - expected.logits.float()).abs().max().item(),
+    }}, default=str))
+    """
+)
+
+
+def test_gpt_oss_lowers_to_the_hpu_bias_variant():
+    pytest.importorskip("transformers")
+    code = GPT_OSS_SCRIPT.format(root=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(out["overloads"]) == {"hpu::mixture_of_experts.bias_fused_weights"}
+    for call in out["calls"]:
+        assert call["overload"] == "bias_fused_weights"
+        assert call["routing_dtype"] == "torch.int64" and call["router_weights_dtype"] == "torch.bfloat16"
+        assert call["permuted_weights"] is False  # GPT-OSS stores [E, in, out]
+        assert (call["experts_min"], call["experts_max"]) == (0, 3)
+        # the dispatcher leaves out keyword-only arguments equal to their schema defaults
+        assert call["options"].get("alpha", 1.702) == pytest.approx(1.702)
+        assert call["options"].get("limit", 7.0) == pytest.approx(7.0)
+    assert len(out["calls"]) == len(out["overloads"]) == 3
+    assert out["max_error"] < 0.1

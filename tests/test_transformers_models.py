@@ -56,9 +56,17 @@ def qwen3_moe_not_renormalised(implementation: str, dtype: torch.dtype):
 def qwen2_moe(implementation: str, dtype: torch.dtype):
     """Qwen2-MoE: a sigmoid-gated shared expert stays beside the fused call."""
     config = transformers.Qwen2MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-        shared_expert_intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, experts_implementation=implementation,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation=implementation,
     )
     return transformers.Qwen2MoeForCausalLM(config)
 
@@ -66,10 +74,26 @@ def qwen2_moe(implementation: str, dtype: torch.dtype):
 def deepseek_v3(implementation: str, dtype: torch.dtype):
     """DeepSeek-V3: sigmoid scores + correction bias + grouped top-k, routed scaling, shared experts."""
     config = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=LAYERS,
-        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
-        topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=16, head_dim=16, n_shared_experts=1, experts_implementation=implementation,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=16,
+        n_shared_experts=1,
+        experts_implementation=implementation,
     )
     return transformers.DeepseekV3ForCausalLM(config)
 
@@ -77,9 +101,17 @@ def deepseek_v3(implementation: str, dtype: torch.dtype):
 def gpt_oss(implementation: str, dtype: torch.dtype):
     """GPT-OSS: top-k on logits then softmax; interleaved gate/up with biases and a clamped swiglu."""
     config = transformers.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention"] * LAYERS, experts_implementation=implementation,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"] * LAYERS,
+        experts_implementation=implementation,
     )
     model = transformers.GptOssForCausalLM(config)
     with torch.no_grad():  # its init leaves expert weights at zero: give them values that matter
