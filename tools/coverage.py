@@ -4,7 +4,8 @@ For each model family whose modeling code uses `use_experts_implementation`, bui
 causal LM (2 layers, 4 experts, top-2; sizes shrunk generically from the config's defaults), compile
 it with `backend="hpu_moe"` under each implementation, and record: fused layers / MoE layers, declined
 candidates with reasons, graph breaks, and the logits' max difference to the unrewritten model.
-Families whose tiny model cannot be built generically are listed with the construction error.
+Families whose tiny model cannot be built generically are listed with the construction error; MoE
+families that do not use `use_experts_implementation` (their own expert code) run once, as "own forward".
 
     python tools/coverage.py                       # markdown table on stdout
     python tools/coverage.py --families mixtral qwen3_moe --json coverage.json
@@ -18,6 +19,7 @@ import inspect
 import json
 import os
 import pkgutil
+import re
 import sys
 import traceback
 import warnings
@@ -66,15 +68,24 @@ TINY = dict(
 )
 
 
-def moe_families() -> list[str]:
+MOE_CLASS = re.compile(r"^class \w*(SparseMoe|MoE|Moe|Experts)\w*\(", re.M)
+
+
+def moe_families() -> dict[str, bool]:
+    """{family: uses use_experts_implementation} for every family whose modeling code holds an MoE."""
     import transformers.models as models
 
-    names = []
+    families = {}
     for info in pkgutil.iter_modules(models.__path__):
         path = os.path.join(models.__path__[0], info.name, f"modeling_{info.name}.py")
-        if os.path.exists(path) and "use_experts_implementation" in open(path).read():
-            names.append(info.name)
-    return sorted(names)
+        if not os.path.exists(path):
+            continue
+        source = open(path).read()
+        if "use_experts_implementation" in source:
+            families[info.name] = True
+        elif MOE_CLASS.search(source):
+            families[info.name] = False
+    return dict(sorted(families.items()))
 
 
 def causal_lm_class(family: str):
@@ -98,9 +109,10 @@ def tiny_config(model_cls, implementation: str):
         value = getattr(config, key, None)
         if isinstance(value, list) and value:
             setattr(config, key, value[: config.num_hidden_layers])
-    config.experts_implementation = implementation
-    if hasattr(config, "_experts_implementation_internal"):
-        config._experts_implementation_internal = implementation
+    if implementation in IMPLEMENTATIONS:
+        config.experts_implementation = implementation
+        if hasattr(config, "_experts_implementation_internal"):
+            config._experts_implementation_internal = implementation
     return config
 
 
@@ -172,8 +184,9 @@ def main(argv=None) -> int:
     import transformers
 
     rows = []
-    for family in args.families or moe_families():
-        for implementation in IMPLEMENTATIONS:
+    families = moe_families()
+    for family in args.families or families:
+        for implementation in IMPLEMENTATIONS if families.get(family, True) else ("own forward",):
             try:
                 rows.append(run(family, implementation))
             except Exception:  # noqa: BLE001 - one family never stops the table
