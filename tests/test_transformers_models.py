@@ -200,3 +200,31 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
   %10 = aten._to_copy(in12, dtype=bfloat16)
   %11 = moe_passes.mixture_of_experts.fused_weights(%8, %9, %10, in13[0:4], in14[0:4], True, 'silu', 0, 3)""",
     )
+
+
+def test_llama4_is_declined_with_the_reason():
+    """Llama4 scales each expert's input by its routing weight: not the kernel's semantics."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        intermediate_size_mlp=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        moe_layers=[0, 1],
+    )
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    inputs = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert not report.fused and not recorder.fused_nodes()
+    assert len(report.declined) == 2, str(report)
+    assert all("scale each expert's input" in d.reason for d in report.declined)
+    assert [d.candidate for d in report.declined] == [
+        f"model.layers.{i}.feed_forward.experts" for i in range(2)
+    ]
+    assert_close_for_dtype(output, eager_output(model, inputs))

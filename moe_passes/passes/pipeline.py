@@ -14,13 +14,13 @@ from torch.fx import GraphModule, Node
 
 from ..fx_utils import backward_slice, const_int, escaping_users, shape, strip_casts
 from ..report import Declined, Fused
-from . import experts_batched_mm, experts_dense_loop, experts_grouped_mm, routing
+from . import experts_batched_mm, experts_dense_bmm, experts_dense_loop, experts_grouped_mm, routing
 from .matches import Decline, ExpertsMatch
 from .rewrite import rewrite_experts
 
 log = logging.getLogger(__name__)
 
-FINDERS = (experts_grouped_mm.find, experts_batched_mm.find, experts_dense_loop.find)
+FINDERS = (experts_grouped_mm.find, experts_batched_mm.find, experts_dense_loop.find, experts_dense_bmm.find)
 
 
 def layer_name(node: Node | None) -> str:
