@@ -48,4 +48,29 @@ def explain_and_run(model_or_fn, *args, options: dict | None = None, **kwargs):
         report.declined.extend(record.declined)
         if record.fallback:
             report.fallbacks.append(f"graph {record.index}: {record.fallback}")
+    report.advice = advice_for_breaks(report.break_reasons)
     return report, output
+
+
+# Graph breaks an MoE layer typically causes, and the setting that removes them.
+DATA_DEPENDENT_MARKERS = (
+    "nonzero",
+    "Dynamic shape operator",
+    "data-dependent",
+    "_local_scalar_dense",
+    "tolist",
+)
+DATA_DEPENDENT_ADVICE = (
+    "an expert loop over data-dependent shapes (nonzero / torch.where / .tolist(), e.g. transformers "
+    "experts_implementation='eager' or 4.x loops) breaks the graph, so no MoE layer can be fused: load the "
+    "model with experts_implementation='grouped_mm' (or call model.set_experts_implementation('grouped_mm')), "
+    "which compiles in one graph and is fused; torch._dynamo.config.capture_dynamic_output_shape_ops = True "
+    "also keeps the loop in one graph"
+)
+
+
+def advice_for_breaks(break_reasons: list[str]) -> list[str]:
+    """What the user can change to remove the graph breaks that stop MoE fusion."""
+    if any(marker in reason for reason in break_reasons for marker in DATA_DEPENDENT_MARKERS):
+        return [DATA_DEPENDENT_ADVICE]
+    return []

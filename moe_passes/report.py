@@ -54,6 +54,7 @@ class Report:
     fused: list[Fused] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
     target: str = ""
     inner: str = ""
 
@@ -67,7 +68,8 @@ class Report:
             f"compiles: {self.compile_count}",
         ]
         for reason in self.break_reasons:
-            lines.append(f"  break: {reason}")
+            details = [line.strip() for line in reason.splitlines() if line.strip()]
+            lines.append(f"  break: {' / '.join(details[:2])}")
         lines.append(f"  fused MoE layers: {len(self.fused)}")
         for f in self.fused:
             lines.append(
@@ -79,6 +81,8 @@ class Report:
             lines.append(f"    [graph {d.graph}] {d.candidate} ({d.form}): {d.reason}")
         for fallback in self.fallbacks:
             lines.append(f"  fallback: {fallback}")
+        for advice in self.advice:
+            lines.append(f"  advice: {advice}")
         return "\n".join(lines)
 
 

@@ -228,3 +228,14 @@ def test_llama4_is_declined_with_the_reason():
         f"model.layers.{i}.feed_forward.experts" for i in range(2)
     ]
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_eager_experts_loop_reports_its_graph_breaks_and_the_fix():
+    """transformers' `eager` experts loop is data-dependent: the report names the breaks and the setting."""
+    model, inputs = build("mixtral", "eager", torch.float32)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not report.fused
+    assert any("nonzero" in reason for reason in report.break_reasons)
+    assert len(report.advice) == 1 and "experts_implementation='grouped_mm'" in report.advice[0]
+    assert "advice:" in str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
