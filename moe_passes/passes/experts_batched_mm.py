@@ -19,7 +19,7 @@ from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_sh
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import activation_of, clamped_swiglu, gated_product, halves
+from .mlp import stacked_gate
 
 aten = torch.ops.aten
 FORM = "batched_mm"
@@ -105,21 +105,11 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     if down is None:
         return no("routing weights do not multiply the output of a batched down projection")
     down_in, down_w, down_ids, down_out_in = down
-    swiglu = clamped_swiglu(down_in)
-    product = None if swiglu is not None else gated_product(down_in)
-    if swiglu is not None:
-        activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
-        gate_up_out, up_bias, up_bias_ids = _with_bias(swiglu.projection)
-    elif product is not None:
-        activation, described = activation_of(product.activation_node)
-        if activation is None:
-            return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
-        split = halves(product.gate, product.up)
-        if split is None:
-            return no("gate and up are not the two halves of one batched projection")
-        gate_up_out, up_bias, up_bias_ids = _with_bias(split[0])
-    else:
-        return no("the down projection input is not act(gate) * up (the kernel needs gated experts)")
+    gate = stacked_gate(down_in)
+    if isinstance(gate, str):
+        return no(gate)
+    swiglu, activation = gate.swiglu, gate.activation
+    gate_up_out, up_bias, up_bias_ids = _with_bias(gate.gate_up_output)
     if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
         return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel")
     up = _batched_linear(gate_up_out)

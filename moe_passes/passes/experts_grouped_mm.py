@@ -19,7 +19,7 @@ from ..fx_utils import const_int, is_call, is_cast, is_getitem, shape, strip_cas
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import activation_of, clamped_swiglu, gated_product, halves
+from .mlp import stacked_gate
 
 aten = torch.ops.aten
 FORM = "grouped_mm"
@@ -103,21 +103,10 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no("routing weights are not permuted like the tokens")
 
     down_in, down_w, offs = _grouped_args(down_mm)
-    swiglu = clamped_swiglu(down_in)
-    product = None if swiglu is not None else gated_product(down_in)
-    if swiglu is not None:
-        activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
-        gate_up_out = swiglu.projection
-    elif product is not None:
-        activation, described = activation_of(product.activation_node)
-        if activation is None:
-            return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)")
-        split = halves(product.gate, product.up)
-        if split is None:
-            return no("gate and up are not the two halves of one grouped projection")
-        gate_up_out = split[0]
-    else:
-        return no("the down projection input is not act(gate) * up (the kernel needs gated experts)")
+    gate = stacked_gate(down_in)
+    if isinstance(gate, str):
+        return no(gate)
+    swiglu, activation, gate_up_out = gate.swiglu, gate.activation, gate.gate_up_output
     gate_up_mm, up_bias, up_bias_ids = _with_bias(gate_up_out)
     if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
         return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel")

@@ -200,3 +200,30 @@ def clamped_swiglu(node: Node) -> ClampedSwiglu | None:
             continue
         return ClampedSwiglu(source, float(alpha), float(limit))
     return None
+
+
+@dataclass(frozen=True)
+class StackedGate:
+    """What sits between the gate/up projection and the down projection of a stacked-weight expert form."""
+
+    activation: str  # kernel activation name, or the clamped swiglu's description
+    gate_up_output: Node  # the [.., 2I] gate/up projection output (bias still added, if any)
+    swiglu: ClampedSwiglu | None  # set for GPT-OSS's gate (the bias_fused_weights overload)
+
+
+def stacked_gate(down_input: Node) -> StackedGate | str:
+    """Read act(gate) * up over halves of one projection, or GPT-OSS's clamped swiglu; else a reason."""
+    swiglu = clamped_swiglu(down_input)
+    if swiglu is not None:
+        activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
+        return StackedGate(activation, swiglu.projection, swiglu)
+    product = gated_product(down_input)
+    if product is None:
+        return "the down projection input is not act(gate) * up (the kernel needs gated experts)"
+    activation, described = activation_of(product.activation_node)
+    if activation is None:
+        return f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)"
+    split = halves(product.gate, product.up)
+    if split is None:
+        return "gate and up are not the two halves of one projection"
+    return StackedGate(activation, split[0], None)
