@@ -131,6 +131,7 @@ def _accumulations(graph: torch.fx.Graph, terms: dict[Node, ExpertTerm]) -> list
                     parts = None
                     break
             leaves[node] = frozenset().union(*parts) if parts is not None else None
+    order = {n: i for i, n in enumerate(graph.nodes)}
     roots = []
     for node, covered in leaves.items():
         if node in terms or not covered or len(covered) < 2:
@@ -139,7 +140,6 @@ def _accumulations(graph: torch.fx.Graph, terms: dict[Node, ExpertTerm]) -> list
             leaves.get(u2) for user in node.users if _passes_through(user) for u2 in user.users
         ):
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
         roots.append((node, sorted(covered, key=order.__getitem__)))
     return roots
 

@@ -25,25 +25,15 @@ aten = torch.ops.aten
 FORM = "grouped_mm"
 
 
-def _grouped_mm_targets():
-    targets = [aten._grouped_mm.default]
-    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
-    try:
-        if fallback is not None:
-            targets.append(fallback.default)
-    except (AttributeError, RuntimeError):
-        pass
-    return targets
+# aten's grouped matmul, and the opaque loop transformers uses instead when compiling non-bf16 weights;
+# matched by qualified name, so transformers need not be imported.
+GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
 
 
 def is_grouped_mm(node: object) -> bool:
     if not isinstance(node, Node) or node.op != "call_function":
         return False
-    name = getattr(node.target, "name", lambda: "")()
-    return node.target in _grouped_mm_targets() or name in (
-        "aten::_grouped_mm",
-        "transformers::grouped_mm_fallback",
-    )
+    return getattr(node.target, "name", lambda: "")() in GROUPED_MM_OPS
 
 
 def _grouped_args(node: Node) -> tuple[Node, Node, Node] | None:
