@@ -35,6 +35,9 @@ def explain_and_run(model_or_fn, *args, options: dict | None = None, **kwargs):
     with collecting() as collector, torch.no_grad():
         output = compiled(*args, **kwargs)
     breaks = dict(counters["graph_break"])
+    # A graph break inside a loop makes dynamo skip the whole frame and run it eagerly; it is counted
+    # as "unimplemented", not as a graph break, but it splits the model's graph all the same.
+    breaks.update({reason: n for reason, n in counters["unimplemented"].items() if _skipped_a_frame(reason)})
     report = Report(
         graph_count=len(collector.records),
         graph_break_count=sum(breaks.values()),
@@ -52,6 +55,10 @@ def explain_and_run(model_or_fn, *args, options: dict | None = None, **kwargs):
     return report, output
 
 
+def _skipped_a_frame(reason: str) -> bool:
+    return "frame skipped" in reason or "Skipping the frame" in reason
+
+
 # Graph breaks an MoE layer typically causes, and the setting that removes them.
 DATA_DEPENDENT_MARKERS = (
     "nonzero",
@@ -59,13 +66,15 @@ DATA_DEPENDENT_MARKERS = (
     "data-dependent",
     "_local_scalar_dense",
     "tolist",
+    "graph break in loop",
 )
 DATA_DEPENDENT_ADVICE = (
     "an expert loop over data-dependent shapes (nonzero / torch.where / .tolist(), e.g. transformers "
     "experts_implementation='eager' or 4.x loops) breaks the graph, so no MoE layer can be fused: load the "
     "model with experts_implementation='grouped_mm' (or call model.set_experts_implementation('grouped_mm')), "
-    "which compiles in one graph and is fused; torch._dynamo.config.capture_dynamic_output_shape_ops = True "
-    "also keeps the loop in one graph"
+    "which compiles in one graph and is fused. A loop over range(num_experts) with torch.where (transformers "
+    "4.x) is kept in one graph, and fused, with torch._dynamo.config.capture_dynamic_output_shape_ops = True; "
+    "a loop over the experts that were hit (`for e in expert_hit`) cannot be captured even then"
 )
 
 

@@ -17,9 +17,19 @@ FORMS = (
     "modulelist_dense_mask",
     "hf_grouped_mm",
     "hf_batched_mm",
+    "hf_transposed_experts",
+    "gpt_oss_experts",
+    "qwen2_shared_expert",
+    "deepseek_v3_routing",
+    "hf4_sparse_loop",
+    "mixtral4_sparse_loop",
     "near_miss_input_scaled",
     "near_miss_mixed_activation",
     "near_miss_output_escapes",
+    "near_miss_unequal_experts",
+    "near_miss_exact_gelu",
+    "near_miss_llama4_dense_bmm",
+    "near_miss_data_dependent_loop",
 )
 
 
@@ -28,4 +38,11 @@ def catalog() -> dict[str, ModuleType]:
     return {name: importlib.import_module(f"{__name__}.{name}") for name in FORMS}
 
 
-__all__ = ["Expected", "catalog", "FORMS"]
+def dynamo_config(form: ModuleType):
+    """The `torch._dynamo.config` patch a form needs to be captured as its docstring says (often none)."""
+    import torch
+
+    return torch._dynamo.config.patch(**getattr(form, "DYNAMO_CONFIG", {}))
+
+
+__all__ = ["Expected", "catalog", "dynamo_config", "FORMS"]

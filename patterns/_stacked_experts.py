@@ -17,14 +17,23 @@ from ._common import ACTIVATIONS, Router
 
 
 class StackedExperts(nn.Module):
-    """`Qwen3MoeExperts` storage; `forward` dispatches to the given experts backend."""
+    """`Qwen3MoeExperts` storage; `forward` dispatches to the given experts backend.
 
-    def __init__(self, cfg: dict, experts_forward):
+    `is_transposed` and `has_bias` are the `use_experts_implementation` flags of the same names:
+    transposed stacks are [E, H, 2I] / [E, I, H] (Aria, GPT-OSS), biases [E, 2I] / [E, H] (GPT-OSS).
+    """
+
+    def __init__(self, cfg: dict, experts_forward, is_transposed: bool = False, has_bias: bool = False):
         super().__init__()
         e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
         self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.is_transposed, self.has_bias = is_transposed, has_bias
+        gate_up, down = ((e, h, 2 * i), (e, i, h)) if is_transposed else ((e, 2 * i, h), (e, h, i))
+        self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
+        self.down_proj = nn.Parameter(torch.empty(down))
+        if has_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h))
         self.act_fn = ACTIVATIONS[cfg["activation"]]
         self._experts_forward = experts_forward
 
@@ -40,10 +49,10 @@ class StackedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """`Qwen3MoeSparseMoeBlock`: [B, S, H] in and out, experts on the flattened tokens."""
 
-    def __init__(self, cfg: dict, experts_forward):
+    def __init__(self, cfg: dict, experts_forward, experts_class=StackedExperts, **experts_flags):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = StackedExperts(cfg, experts_forward)
+        self.experts = experts_class(cfg, experts_forward, **experts_flags)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape

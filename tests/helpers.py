@@ -18,14 +18,26 @@ class RecordingInner:
     def __init__(self, then: str = "eager"):
         self.then = then
         self.graphs: list[torch.fx.GraphModule] = []
+        self.example_inputs: list[list] = []
         self.__name__ = f"recording({then})"
 
     def __call__(self, gm, example_inputs, **kwargs):
         self.graphs.append(gm)
+        self.example_inputs.append(list(example_inputs))
         return lookup_backend(self.then)(gm, example_inputs)
 
     def fused_nodes(self) -> list[torch.fx.Node]:
         return [n for gm in self.graphs for n in gm.graph.nodes if is_fused_moe(n)]
+
+    def parameter_names(self, model: torch.nn.Module, graph_index: int = 0) -> dict[torch.fx.Node, str]:
+        """{placeholder: name of the model parameter it was handed} for one recorded graph."""
+        by_storage = {p.data_ptr(): name for name, p in model.named_parameters()}
+        placeholders = self.graphs[graph_index].graph.find_nodes(op="placeholder")
+        return {
+            node: by_storage[value.data_ptr()]
+            for node, value in zip(placeholders, self.example_inputs[graph_index], strict=True)
+            if isinstance(value, torch.Tensor) and value.data_ptr() in by_storage
+        }
 
 
 def run_hpu_moe(model, inputs, inner: str = "eager", **options):

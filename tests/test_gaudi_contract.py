@@ -25,14 +25,15 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from tests import hpu_contract
     hpu_contract.register_fake_gaudi_bridge()
-    from patterns import catalog
+    from patterns import catalog, dynamo_config
     from tests.helpers import RecordingInner, eager_output
     from moe_passes.explain import explain_and_run
 
     form = catalog()[{form!r}]
     model, inputs = form.build(dtype=getattr(torch, {dtype!r}))
     recorder = RecordingInner({inner!r})
-    report, output = explain_and_run(model, *inputs, options={{"inner": recorder, "target": {target!r}}})
+    with dynamo_config(form):
+        report, output = explain_and_run(model, *inputs, options={{"inner": recorder, "target": {target!r}}})
     expected = eager_output(model, inputs)
     print(json.dumps({{
         "report_target": report.target,
@@ -56,14 +57,16 @@ def run_with_bridge(form: str, dtype: str = "float32", inner: str = "eager", tar
 
 
 @pytest.mark.parametrize(
-    "form, overload",
+    "form, overload, permuted",
     [
-        ("hf_grouped_mm", "fused_weights"),
-        ("static_dense_loop", "fused_weights"),
-        ("modulelist_dense_mask", "default"),
+        ("hf_grouped_mm", "fused_weights", True),
+        ("static_dense_loop", "fused_weights", True),
+        ("modulelist_dense_mask", "default", True),
+        ("mixtral4_sparse_loop", "default", True),
+        ("hf_transposed_experts", "fused_weights", False),
     ],
 )
-def test_auto_target_lowers_to_the_hpu_op(form, overload):
+def test_auto_target_lowers_to_the_hpu_op(form, overload, permuted):
     out = run_with_bridge(form, dtype="bfloat16")
     assert out["report_target"] == "hpu"
     assert set(out["overloads"]) == {f"hpu::mixture_of_experts.{overload}"}
@@ -73,7 +76,7 @@ def test_auto_target_lowers_to_the_hpu_op(form, overload):
         assert call["overload"] == overload
         assert call["routing_dtype"] == "torch.int64"
         assert call["router_weights_dtype"] == call["hidden_dtype"] == "torch.bfloat16"
-        assert call["permuted_weights"] is True
+        assert call["permuted_weights"] is permuted
         assert call["activation"] == "silu"
         assert (call["experts_min"], call["experts_max"]) == (0, experts - 1)
         assert call["num_weights"] == experts

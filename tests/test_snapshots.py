@@ -9,13 +9,15 @@ import expecttest
 import torch
 
 from moe_passes.printer import format_fused_calls, format_graph
-from patterns import catalog
+from patterns import catalog, dynamo_config
 from tests.helpers import run_hpu_moe
 
 
 def rewritten_graph(name: str, **overrides) -> torch.fx.GraphModule:
-    model, inputs = catalog()[name].build(layers=1, **overrides)
-    _, _, recorder = run_hpu_moe(model, inputs)
+    form = catalog()[name]
+    model, inputs = form.build(layers=1, **overrides)
+    with dynamo_config(form):
+        _, _, recorder = run_hpu_moe(model, inputs)
     (graph,) = recorder.graphs
     return graph
 
@@ -138,6 +140,137 @@ graph(in0, in1, in2, in3):
   %6 = aten.unbind.int(in2, 0)
   %7 = aten.unbind.int(in3, 0)
   %8 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %5, %6[0:4], %7[0:4], True, 'silu', 0, 3)""",
+        )
+
+    def test_hf4_sparse_loop(self):
+        """The whole loop, its per-expert nonzero and the runtime checks on their sizes are gone."""
+        self.assertExpectedInline(
+            format_graph(rewritten_graph("hf4_sparse_loop", num_experts=2)),
+            """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.reshape(%1, [-1, 16])
+  %12 = moe_passes.mixture_of_experts(%11, %8, %10, [in4, in7], [in5, in8], [in6, in9], True, 'silu', 0, 1)
+  %13 = aten.reshape(%12, [1, 6, 16])
+  %14 = aten.add.Tensor(in2, %13)
+  return [%14]""",
+        )
+
+    def test_mixtral4_sparse_loop_passes_w3_as_up_and_w2_as_down(self):
+        """Mixtral's w1/w3/w2 reach the kernel as w1 (gate), w2 (up), w3 (down): roles, not names."""
+        model, inputs = catalog()["mixtral4_sparse_loop"].build(layers=1, num_experts=2)
+        with dynamo_config(catalog()["mixtral4_sparse_loop"]):
+            _, _, recorder = run_hpu_moe(model, inputs)
+        (call,) = recorder.fused_nodes()
+        names = recorder.parameter_names(model)
+        roles = {
+            role: [names[w] for w in call.args[index]] for role, index in (("w1", 3), ("w2", 4), ("w3", 5))
+        }
+        self.assertEqual(
+            roles,
+            {
+                "w1": ["moes.0.experts.0.w1.weight", "moes.0.experts.1.w1.weight"],
+                "w2": ["moes.0.experts.0.w3.weight", "moes.0.experts.1.w3.weight"],
+                "w3": ["moes.0.experts.0.w2.weight", "moes.0.experts.1.w2.weight"],
+            },
+        )
+
+    def test_hf_transposed_experts(self):
+        self.assertExpectedInline(
+            format_fused_calls(rewritten_graph("hf_transposed_experts")),
+            """\
+graph(in0, in1, in2, in3):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten.sum.dim_IntList(%3, [-1], True)
+  %6 = aten.div.Tensor(%3, %5)
+  %7 = aten.unbind.int(in2, 0)
+  %8 = aten.unbind.int(in3, 0)
+  %9 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %6, %7[0:4], %8[0:4], False, 'silu', 0, 3)""",
+        )
+
+    def test_gpt_oss_experts(self):
+        self.assertExpectedInline(
+            format_fused_calls(rewritten_graph("gpt_oss_experts")),
+            """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten._softmax(%3, -1, False)
+  %6 = aten.unbind.int(in2, 0)
+  %7 = aten.unbind.int(in3, 0)
+  %8 = aten.unbind.int(in4, 0)
+  %9 = aten.unbind.int(in5, 0)
+  %10 = moe_passes.mixture_of_experts.bias_fused_weights(%1, %4, %5, %6[0:4], %7[0:4], %8[0:4], %9[0:4], permuted_weights=False, experts_min=0, experts_max=3, alpha=1.702, limit=7)""",
+        )
+
+    def test_qwen2_shared_expert(self):
+        self.assertExpectedInline(
+            format_graph(rewritten_graph("qwen2_shared_expert")),
+            """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.unbind.int(in4, 0)
+  %12 = aten.unbind.int(in5, 0)
+  %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
+  %14 = aten.t(in6)
+  %15 = aten.mm(%2, %14)
+  %16 = aten.sigmoid(%15)
+  %17 = aten.t(in7)
+  %18 = aten.mm(%2, %17)
+  %19 = aten.silu(%18)
+  %20 = aten.t(in8)
+  %21 = aten.mm(%2, %20)
+  %22 = aten.mul.Tensor(%19, %21)
+  %23 = aten.t(in9)
+  %24 = aten.mm(%22, %23)
+  %25 = aten.mul.Tensor(%16, %24)
+  %26 = aten.add.Tensor(%13, %25)
+  %27 = aten.reshape(%26, [1, 6, 16])
+  %28 = aten.add.Tensor(in2, %27)
+  return [%28]""",
+        )
+
+    def test_deepseek_v3_routing(self):
+        self.assertExpectedInline(
+            format_fused_calls(rewritten_graph("deepseek_v3_routing")),
+            """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2, -1, True, False)
+  %3 = getitem(%2, 1)
+  %4 = aten.div.Tensor(in2, in3)
+  %5 = aten.mul.Tensor(%4, 2.5)
+  %6 = aten.unbind.int(in4, 0)
+  %7 = aten.unbind.int(in5, 0)
+  %8 = moe_passes.mixture_of_experts.fused_weights(%1, %3, %5, %6[0:4], %7[0:4], True, 'silu', 0, 3)""",
         )
 
     def test_near_miss_is_left_as_captured(self):

@@ -71,6 +71,25 @@ def qwen2_moe(implementation: str, dtype: torch.dtype):
     return transformers.Qwen2MoeForCausalLM(config)
 
 
+def olmoe(implementation: str, dtype: torch.dtype):
+    """OLMoE: softmax → top-k without renormalisation (norm_topk_prob=False), no shared expert."""
+    config = transformers.OlmoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        pad_token_id=1,
+        eos_token_id=2,
+        experts_implementation=implementation,
+    )
+    return transformers.OlmoeForCausalLM(config)
+
+
 def deepseek_v3(implementation: str, dtype: torch.dtype):
     """DeepSeek-V3: sigmoid scores + correction bias + grouped top-k, routed scaling, shared experts."""
     config = transformers.DeepseekV3Config(
@@ -126,6 +145,7 @@ FAMILIES = {
     "qwen3_moe": qwen3_moe,
     "qwen3_moe_plain_topk": qwen3_moe_not_renormalised,
     "qwen2_moe": qwen2_moe,
+    "olmoe": olmoe,
     "deepseek_v3": deepseek_v3,
     "gpt_oss": gpt_oss,
 }
@@ -173,6 +193,17 @@ def test_routing_is_reported():
     model, inputs = build("mixtral", "grouped_mm", torch.float32)
     report, _, _ = run_hpu_moe(model, inputs)
     assert {f.routing for f in report.fused} == {"softmax_topk, renormalised, fp32 softmax"}
+    model, inputs = build("olmoe", "batched_mm", torch.float32)
+    report, _, _ = run_hpu_moe(model, inputs)
+    assert {f.routing for f in report.fused} == {"softmax_topk, not renormalised, fp32 softmax"}
+    model, inputs = build("deepseek_v3", "batched_mm", torch.float32)
+    report, _, _ = run_hpu_moe(model, inputs)
+    assert {f.routing for f in report.fused} == {
+        "sigmoid_topk, bias-corrected, grouped, renormalised, scaled x2.5"
+    }, str(report)
+    model, inputs = build("gpt_oss", "batched_mm", torch.float32)
+    report, _, _ = run_hpu_moe(model, inputs)
+    assert {f.routing for f in report.fused} == {"topk_softmax"}, str(report)
 
 
 def test_fused_calls_snapshot():
@@ -202,8 +233,13 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
     )
 
 
-def test_llama4_is_declined_with_the_reason():
-    """Llama4 scales each expert's input by its routing weight: not the kernel's semantics."""
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_llama4_is_declined_with_the_reason(implementation):
+    """Llama4 scales each expert's input by its routing weight: not the kernel's semantics.
+
+    Llama4's experts keep their own forward (no `use_experts_implementation`), so the setting changes
+    nothing: under either value the layers are declined, with the reason, and the model runs as before.
+    """
     config = transformers.Llama4TextConfig(
         vocab_size=64,
         hidden_size=32,
@@ -216,11 +252,13 @@ def test_llama4_is_declined_with_the_reason():
         num_local_experts=4,
         num_experts_per_tok=1,
         moe_layers=[0, 1],
+        experts_implementation=implementation,
     )
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(config).eval()
     inputs = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)
     report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
     assert not report.fused and not recorder.fused_nodes()
     assert len(report.declined) == 2, str(report)
     assert all("scale each expert's input" in d.reason for d in report.declined)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, dtype, is_call, shape, strip_casts, strip_shape_ops
+from ..fx_utils import const_int, dtype, is_call, is_getitem, shape, strip_casts, strip_shape_ops
 from . import probe
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import Projection, activation_of, gated_product, halves, projection
@@ -40,6 +40,13 @@ class ExpertTerm:
     up: Projection | None
     down: Projection
     input_scaled_by: Node | None = None  # set when the routing weight multiplies the MLP input
+    # Sparse loops (experts_sparse_loop.py): the token indices this expert gathers its rows from and
+    # adds its output back to. None for a dense term, which covers every token.
+    rows: Node | None = None
+
+    def outputs(self) -> list[Node]:
+        """The nodes whose values decide which tokens this expert serves, and with which weight."""
+        return [self.coefficient] + ([self.rows] if self.rows is not None else [])
 
 
 def _read_mlp(node: Node) -> dict | None:
@@ -65,7 +72,8 @@ def _read_mlp(node: Node) -> dict | None:
     return dict(hidden=gate.input, gate_up=None, gate=gate, up=up, down=down, act=activation, desc=desc)
 
 
-def _read_term(node: Node) -> ExpertTerm | None:
+def read_term(node: Node) -> ExpertTerm | None:
+    """MLP(x) * c (either order, casts allowed), or an unscaled MLP; None when `node` is neither."""
     node_s = strip_casts(node)
     if is_call(node_s, aten.mul.Tensor):
         for a, b in ((node_s.args[0], node_s.args[1]), (node_s.args[1], node_s.args[0])):
@@ -99,7 +107,7 @@ def _term(node, mlp_out, coefficient, mlp, input_scaled_by=None) -> ExpertTerm:
     )
 
 
-def _is_zero_init(node: Node) -> bool:
+def is_zero_init(node: Node) -> bool:
     node = strip_casts(node)
     if is_call(node, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
         return True
@@ -125,7 +133,7 @@ def _accumulations(graph: torch.fx.Graph, terms: dict[Node, ExpertTerm]) -> list
                     parts.append(leaves[arg_s])
                 elif arg in leaves and leaves[arg] is not None:
                     parts.append(leaves[arg])
-                elif _is_zero_init(arg):
+                elif is_zero_init(arg):
                     parts.append(frozenset())
                 else:
                     parts = None
@@ -152,7 +160,7 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
     terms = {}
     for node in graph.nodes:
         if is_call(node, aten.mul.Tensor, aten.mm.default, aten._unsafe_view.default, aten.view.default):
-            term = _read_term(node)
+            term = read_term(node)
             if term is not None:
                 terms[node] = term
     results = []
@@ -160,13 +168,15 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
         members = [terms[n] for n in leaves]
         if all(t.coefficient is None and t.input_scaled_by is None for t in members):
             continue  # a sum of plain MLPs (e.g. parallel dense MLPs) is not an MoE candidate
-        results.append(match_at(root, members))
+        results.append(match_terms(root, members))
     return results
 
 
-def match_at(root: Node, terms: list[ExpertTerm]) -> ExpertsMatch | Decline:
+def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> ExpertsMatch | Decline:
+    """The match for experts summed into `root` (one term each), or why they cannot be fused."""
+
     def no(reason: str) -> Decline:
-        return Decline(FORM, reason, root)
+        return Decline(form, reason, root)
 
     if any(t.coefficient is None for t in terms):
         scaled = [t for t in terms if t.input_scaled_by is not None]
@@ -203,7 +213,7 @@ def match_at(root: Node, terms: list[ExpertTerm]) -> ExpertsMatch | Decline:
     if any(isinstance(r, str) for r in roles):
         return no(next(r for r in roles if isinstance(r, str)))
     return ExpertsMatch(
-        form=FORM,
+        form=form,
         output=root,
         hidden=terms[0].hidden,
         ids=ids,
@@ -247,10 +257,15 @@ def _stacked_source(weights: list[Node]) -> Node | None:
 
 
 def _frontier(terms: list[ExpertTerm]) -> tuple[set[Node], list[list[Node]]]:
-    """The nodes every coefficient derives from (first common ancestors) and each coefficient's slice."""
+    """The routing tensors every term derives from, and each term's slice of index/mask ops.
+
+    Starts at the first common ancestors of the terms. A common ancestor that is itself an integer or
+    boolean mask computed by probe-able ops (the one-hot expert mask a sparse loop indexes, say) is
+    looked through, so that the frontier reaches the ids and weights that routing produced.
+    """
     ancestry = []
     for term in terms:
-        seen, stack = set(), [term.coefficient]
+        seen, stack = set(), list(term.outputs())
         while stack:
             node = stack.pop()
             if node not in seen:
@@ -258,13 +273,29 @@ def _frontier(terms: list[ExpertTerm]) -> tuple[set[Node], list[list[Node]]]:
                 stack.extend(node.all_input_nodes)
         ancestry.append(seen)
     common = set.intersection(*ancestry)
-    slices, frontier = [], set()
-    for term in terms:
-        nodes = probe.slice_between(term.coefficient, common)
-        slices.append(nodes)
-        for node in nodes:
-            frontier.update(n for n in node.all_input_nodes if n in common)
-    return frontier, slices
+    while True:
+        slices, frontier = [], set()
+        for term in terms:
+            nodes = probe.slice_between(term.outputs(), common)
+            slices.append(nodes)
+            for node in nodes:
+                frontier.update(n for n in node.all_input_nodes if n in common)
+        masks = {n for n in frontier if _is_mask_op(n)}
+        if not masks:
+            return frontier, slices
+        common -= masks
+
+
+def _is_mask_op(node: Node) -> bool:
+    """An integer/boolean tensor computed by a probe-able op (not a getitem of some other op)."""
+    value_dtype = dtype(node)
+    return (
+        node.op == "call_function"
+        and node.target in probe.PROBE_OPS
+        and not is_getitem(node)
+        and value_dtype is not None
+        and not value_dtype.is_floating_point
+    )
 
 
 def _expert_ids(terms: list[ExpertTerm]):
@@ -280,25 +311,43 @@ def _expert_ids(terms: list[ExpertTerm]):
         return f"the per-expert routing weight is computed with ops the finder cannot check ({why})"
 
 
-def _token_axis_values(value: torch.Tensor, out_shape: tuple, tokens: int) -> torch.Tensor | None:
-    """The coefficient broadcast against the expert output, as one value per token (or None)."""
+def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torch.Tensor | None:
+    """The coefficient broadcast against an expert output of `out_shape`, as one value per row."""
     try:
         full = value.expand(torch.broadcast_shapes(value.shape, out_shape))
     except RuntimeError:
         return None
     flat = full.reshape(-1, full.shape[-1]) if full.dim() >= 2 else None
-    if flat is None or flat.shape[0] != tokens or not bool((flat == flat[:, :1]).all()):
+    if flat is None or flat.shape[0] != rows or not bool((flat == flat[:, :1]).all()):
         return None
     return flat[:, 0]
 
 
-def _assign(columns_per_probe, coefficient_values, tokens: int, num_columns: int, terms) -> list[int] | str:
+def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor | None:
+    """The weight each token's MLP output gets from `term` under one probe ([T]), or None.
+
+    Dense terms scale the output for all T tokens. Sparse terms scale the rows they gathered and add
+    them back at those rows, so a token's weight is the sum of its rows' coefficients.
+    """
+    width = probe._concrete(term.mlp_out.meta["val"].shape[-1])
+    if term.rows is None:
+        out_shape = tuple(int(d) for d in probe._concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
+        return _token_axis_values(env[term.coefficient], out_shape, tokens)
+    rows = env[term.rows]
+    if rows.dim() != 1 or rows.dtype.is_floating_point or bool(((rows < 0) | (rows >= tokens)).any()):
+        return None
+    per_row = _token_axis_values(env[term.coefficient], (rows.shape[0], int(width)), rows.shape[0])
+    if per_row is None:
+        return None
+    return torch.zeros(tokens, dtype=per_row.dtype).index_add_(0, rows, per_row)
+
+
+def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, terms) -> list[int] | str:
     order: dict[int, int] = {}
     for index, term in enumerate(terms):
-        out_shape = tuple(int(d) for d in probe._concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
         matches = None
-        for columns, values in zip(columns_per_probe, coefficient_values[index], strict=True):
-            per_token = _token_axis_values(values, out_shape, tokens)
+        for columns, env in zip(columns_per_probe, envs_per_term[index], strict=True):
+            per_token = _per_token_weight(term, env, tokens)
             if per_token is None:
                 return "an expert's routing weight is not one value per token"
             hits = {e for e in range(num_columns) if torch.equal(per_token.to(columns.dtype), columns[:, e])}
@@ -316,17 +365,14 @@ def _assign(columns_per_probe, coefficient_values, tokens: int, num_columns: int
 
 def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     base, dim, ids, weights = scatter.args[:4]
-    if not _is_zero_init(base) or dim not in (-1, 1) or len(shape(base)) != 2:
+    if not is_zero_init(base) or dim not in (-1, 1) or len(shape(base)) != 2:
         return "the per-expert weights are not scattered into a zero [T, E] table"
     tokens, width = (int(probe._concrete(d)) for d in shape(base))
     if not isinstance(weights, Node) or shape(ids) != shape(weights):
         return "routing ids and weights differ in shape"
     columns = probe.column_probes(tokens, width, dtype(padded))
-    values = [
-        [probe.evaluate(nodes, {padded: table})[term.coefficient] for table in columns]
-        for term, nodes in zip(terms, slices, strict=True)
-    ]
-    order = _assign(columns, values, tokens, width, terms)
+    envs = [[probe.evaluate(nodes, {padded: table}) for table in columns] for nodes in slices]
+    order = _assign(columns, envs, tokens, width, terms)
     return order if isinstance(order, str) else (strip_shape_ops(ids), strip_shape_ops(weights), order)
 
 
@@ -344,11 +390,10 @@ def _assign_from_routing(tensors: set[Node], terms, slices):
         return "top-k is larger than the number of experts"
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
     columns = [probe.padded_columns(i, w, width) for i, w in probes]
-    values = [
-        [probe.evaluate(nodes, {ids: i.to(dtype(ids)), weights: w})[term.coefficient] for i, w in probes]
-        for term, nodes in zip(terms, slices, strict=True)
+    envs = [
+        [probe.evaluate(nodes, {ids: i.to(dtype(ids)), weights: w}) for i, w in probes] for nodes in slices
     ]
-    order = _assign(columns, values, tokens, width, terms)
+    order = _assign(columns, envs, tokens, width, terms)
     return order if isinstance(order, str) else (ids, weights, order)
 
 

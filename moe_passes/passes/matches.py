@@ -44,10 +44,13 @@ class ExpertWeights:
 class RoutingInfo:
     """How the top-k ids and weights feeding an expert region were produced (for the report)."""
 
-    kind: str  # "softmax_topk", "topk_softmax", or "opaque"
+    kind: str  # "softmax_topk", "topk_softmax", "sigmoid_topk", or "opaque"
     renormalized: bool | None = None
     softmax_fp32: bool | None = None
     num_experts: int | None = None
+    bias_corrected: bool | None = None  # sigmoid_topk: experts chosen on scores + a correction bias
+    grouped: bool | None = None  # sigmoid_topk: experts outside the best groups masked out first
+    scale: float | None = None  # a constant factor on the weights (DeepSeek's routed_scaling_factor)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,34 @@ from torch.fx import GraphModule, Node
 
 from ..fx_utils import backward_slice, const_int, escaping_users, shape, strip_casts
 from ..report import Declined, Fused
-from . import experts_batched_mm, experts_dense_bmm, experts_dense_loop, experts_grouped_mm, routing
+from . import (
+    experts_batched_mm,
+    experts_dense_bmm,
+    experts_dense_loop,
+    experts_grouped_mm,
+    experts_sparse_loop,
+    routing,
+)
 from .matches import Decline, ExpertsMatch
 from .rewrite import rewrite_experts
 
 log = logging.getLogger(__name__)
 
-FINDERS = (experts_grouped_mm.find, experts_batched_mm.find, experts_dense_loop.find, experts_dense_bmm.find)
+FINDERS = (
+    experts_grouped_mm.find,
+    experts_batched_mm.find,
+    experts_dense_loop.find,
+    experts_sparse_loop.find,
+    experts_dense_bmm.find,
+)
+
+# Runtime checks dynamo records on data-dependent sizes (e.g. the row counts `nonzero` yields in a
+# sparse expert loop). They have no users, so they keep the values they check alive after a rewrite.
+ASSERTION_OPS = (
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+)
 
 
 def layer_name(node: Node | None) -> str:
@@ -53,20 +74,26 @@ def _layer_of(match: ExpertsMatch) -> str:
 def _is_size_arithmetic(node: Node) -> bool:
     return isinstance(
         node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool
-    )
+    ) or (node.op == "call_function" and node.target in ASSERTION_OPS)
 
 
-def check(match: ExpertsMatch) -> str | None:
-    """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
+def region_of(match: ExpertsMatch) -> set[Node]:
+    """The nodes the fused call replaces: everything between the region's inputs and its output."""
     boundary = {match.hidden, match.ids, match.weights, *match.weight_nodes()}
     # Views and casts of the region's inputs are aliases of those inputs, and symbolic size
     # arithmetic is not a tensor at all: both are free to be shared with the rest of the graph.
-    region = {
+    return {
         n
         for n in backward_slice(match.output, boundary)
         if strip_casts(n) not in boundary and not _is_size_arithmetic(n)
     }
-    escapes = escaping_users(region, match.output)
+
+
+def check(match: ExpertsMatch) -> str | None:
+    """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
+    region = region_of(match)
+    # A size read off a region tensor (and the runtime checks on it) is not a use of its values.
+    escapes = [(a, b) for a, b in escaping_users(region, match.output) if not _is_size_arithmetic(b)]
     if escapes:
         inside, outside = escapes[0]
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
@@ -91,10 +118,16 @@ def _routing_text(match: ExpertsMatch) -> str:
     if info.kind == "opaque":
         return "opaque (ids and weights used as produced)"
     parts = [info.kind]
-    if info.kind == "softmax_topk":
+    if info.bias_corrected:
+        parts.append("bias-corrected")
+    if info.grouped:
+        parts.append("grouped")
+    if info.kind in ("softmax_topk", "sigmoid_topk"):
         parts.append("renormalised" if info.renormalized else "not renormalised")
     if info.softmax_fp32:
         parts.append("fp32 softmax")
+    if info.scale is not None:
+        parts.append(f"scaled x{info.scale:g}")
     return ", ".join(parts)
 
 
@@ -103,6 +136,7 @@ def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[F
     fused: list[Fused] = []
     declined: list[Declined] = []
     seen_outputs: set[Node] = set()
+    replaced: set[Node] = set()
     candidates = [c for find in FINDERS for c in find(gm.graph)]
     matches = [c for c in candidates if isinstance(c, ExpertsMatch)]
     matched_anchors = {m.output for m in matches} | {a for m in matches for a in m.output.all_input_nodes}
@@ -122,6 +156,7 @@ def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[F
         if reason is not None:
             declined.append(Declined(name, candidate.form, reason, graph_index))
             continue
+        replaced |= region_of(candidate)
         node = rewrite_experts(gm.graph, candidate, target)
         fused.append(
             Fused(
@@ -139,6 +174,39 @@ def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[F
         log.debug("fused %s (%s) into %s", name, candidate.form, node.target)
     if fused:
         gm.graph.eliminate_dead_code()
+        if _drop_size_assertions_on(gm.graph, replaced):
+            gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
     return fused, declined
+
+
+def _drop_size_assertions_on(graph: torch.fx.Graph, replaced: set[Node]) -> int:
+    """Erase runtime size checks that only concern tensors of rewritten regions; returns how many.
+
+    After dead-code elimination such a tensor (a sparse loop's `nonzero`) is still alive only because
+    an assertion on its size reads it; the fused call no longer needs that size, so neither the check
+    nor the tensor (and its host sync) should stay.
+    """
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in ASSERTION_OPS:
+            continue
+        sources, stack, seen = set(), list(node.all_input_nodes), set()
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if _is_size_arithmetic(current):
+                stack.extend(current.all_input_nodes)
+            else:
+                sources.add(current)
+        if (
+            sources
+            and sources <= replaced
+            and all(all(_is_size_arithmetic(user) for user in source.users) for source in sources)
+        ):
+            graph.erase_node(node)
+            dropped += 1
+    return dropped

@@ -43,6 +43,11 @@ PROBE_OPS = (
         aten.scalar_tensor.default,
         aten.lift_fresh_copy.default,
         aten._to_copy.default,
+        aten.arange.default,
+        aten.arange.start,
+        aten.arange.start_step,
+        aten.nonzero.default,
+        aten.unbind.int,
         operator.getitem,
     }
 )
@@ -82,25 +87,25 @@ def evaluate(nodes: list[Node], env: dict) -> dict:
             continue
         if node.op != "call_function" or (node.target not in PROBE_OPS and not is_cast(node)):
             raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
-        if node.target in (aten.full.default, aten.zeros.default, aten.new_zeros.default):
-            kwargs = {**_concrete_args(node.kwargs, env), "device": "cpu"}
-        else:
-            kwargs = _concrete_args(node.kwargs, env)
+        kwargs = dict(_concrete_args(node.kwargs, env))
+        if "device" in kwargs:  # factory ops: probes run on the CPU whatever device was traced
+            kwargs["device"] = "cpu"
         env[node] = node.target(*_concrete_args(node.args, env), **kwargs)
     return env
 
 
-def slice_between(output: Node, inputs: set[Node]) -> list[Node]:
-    """Nodes on paths from `inputs` to `output` (inclusive of output), in graph order."""
+def slice_between(outputs: Node | list[Node], inputs: set[Node]) -> list[Node]:
+    """Nodes on paths from `inputs` to `outputs` (inclusive of the outputs), in graph order."""
+    outputs = [outputs] if isinstance(outputs, Node) else list(outputs)
     seen: set[Node] = set()
-    stack = [output]
+    stack = list(outputs)
     while stack:
         node = stack.pop()
         if node in seen or node in inputs:
             continue
         seen.add(node)
         stack.extend(node.all_input_nodes)
-    order = {n: i for i, n in enumerate(output.graph.nodes)}
+    order = {n: i for i, n in enumerate(outputs[0].graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
 

@@ -43,11 +43,56 @@ def _renormalized_source(weights: Node) -> Node | None:
     return None
 
 
+def _scaled_source(weights: Node) -> tuple[Node, float | None]:
+    """(v, c) when weights = v * c for a constant c (routed_scaling_factor), else (weights, None)."""
+    node = strip_casts(weights)
+    if (
+        is_call(node, aten.mul.Tensor)
+        and isinstance(node.args[1], int | float)
+        and isinstance(node.args[0], Node)
+    ):
+        return node.args[0], float(node.args[1])
+    return weights, None
+
+
+def _sigmoid_topk(topk: Node, ids: Node, values: Node, scale: float | None) -> RoutingInfo | None:
+    """DeepSeek-V3 / GLM4-MoE: ids from top-k over (masked) sigmoid scores (+ bias), weights gathered."""
+    renormalized_from = _renormalized_source(values)
+    gathered = strip_casts(renormalized_from if renormalized_from is not None else values)
+    if not (is_call(gathered, aten.gather.default) and strip_casts(gathered.args[2]) is strip_casts(ids)):
+        return None
+    scores = strip_casts(gathered.args[0])
+    if not is_call(scores, aten.sigmoid.default):
+        return None
+    choice = strip_casts(topk.args[0])
+    grouped = is_call(choice, aten.masked_fill.Scalar, aten.where.self, aten.where.ScalarSelf)
+    if grouped:
+        choice = strip_casts(choice.args[0] if is_call(choice, aten.masked_fill.Scalar) else choice.args[-1])
+    bias_corrected = is_call(choice, aten.add.Tensor) and any(
+        isinstance(a, Node) and strip_casts(a) is scores for a in choice.args
+    )
+    if not (bias_corrected or choice is scores):
+        return None
+    return RoutingInfo(
+        "sigmoid_topk",
+        renormalized=renormalized_from is not None,
+        softmax_fp32=None,
+        num_experts=_width(scores),
+        bias_corrected=bias_corrected,
+        grouped=grouped,
+        scale=scale,
+    )
+
+
 def describe(ids: Node, weights: Node) -> RoutingInfo:
     """What routing produced (ids, weights); kind "opaque" when it is not a recognised form."""
     topk = _topk_of(ids)
     if topk is None:
         return RoutingInfo("opaque")
+    weights, scale = _scaled_source(weights)
+    sigmoid = _sigmoid_topk(topk, ids, weights, scale)
+    if sigmoid is not None:
+        return sigmoid
     scores = topk.args[0]
     values = strip_casts(weights)
     renormalized_from = _renormalized_source(weights)
@@ -60,6 +105,7 @@ def describe(ids: Node, weights: Node) -> RoutingInfo:
                 renormalized=renormalized_from is not None,
                 softmax_fp32=dtype(softmax) == torch.float32,
                 num_experts=_width(softmax),
+                scale=scale,
             )
     if softmax is None and _softmax(values) is not None:
         inner = strip_casts(_softmax(values).args[0])
@@ -69,6 +115,7 @@ def describe(ids: Node, weights: Node) -> RoutingInfo:
                 renormalized=True,
                 softmax_fp32=dtype(_softmax(values)) == torch.float32,
                 num_experts=_width(scores),
+                scale=scale,
             )
     return RoutingInfo("opaque", num_experts=_width(scores))
 

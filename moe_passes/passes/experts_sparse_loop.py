@@ -1,0 +1,107 @@
+"""Sparse expert loops: each expert runs on the tokens routed to it and adds its output back.
+
+    mask = one_hot(ids, E).permute(2, 1, 0)                     # [E, k, T]
+    for e in range(E):
+        slot, tok = torch.where(mask[e])                        # data-dependent sizes (nonzero)
+        y = MLP_e(x[tok]) * w[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+
+This is the transformers 4.x loop (OLMoE, Jamba, PhiMoE; Mixtral and Qwen-MoE with `range(E)`) over an
+`nn.ModuleList` of experts. Dynamo captures it in one graph only with
+`torch._dynamo.config.capture_dynamic_output_shape_ops = True` (otherwise `nonzero` breaks the graph).
+Functionalized, it is a chain of out-of-place `index_add`s from a zero tensor; each link is read as an
+expert term whose rows are `tok` (experts_dense_loop.ExpertTerm), and which tokens and weights each
+expert serves is checked by evaluating the index/mask sub-graph on probe routing tensors, exactly as
+for dense loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_shape_ops
+from .experts_dense_loop import ExpertTerm, is_zero_init, match_terms, read_term
+from .matches import Decline, ExpertsMatch
+
+aten = torch.ops.aten
+FORM = "sparse_loop"
+
+
+def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
+    results = []
+    for node in graph.nodes:
+        if _is_chain_end(node):
+            links = _chain(node)
+            if links is not None and len(links) >= 2:
+                results.append(match_at(node, links))
+    return results
+
+
+def _is_chain_end(node: Node) -> bool:
+    return is_call(node, aten.index_add.default) and not any(
+        is_call(user, aten.index_add.default) and user.args[0] is node for user in node.users
+    )
+
+
+def _chain(end: Node) -> list[Node] | None:
+    """The index_adds accumulated into `end`, first to last, when the accumulator starts at zero."""
+    links = []
+    node = end
+    while is_call(node, aten.index_add.default):
+        links.append(node)
+        node = node.args[0]
+    return links[::-1] if is_zero_init(node) else None
+
+
+def _gather_source(rows_value: Node, index: Node) -> Node | None:
+    """x when `rows_value` is x[index] or x[None, index] (the expert's input rows)."""
+    node = strip_shape_ops(rows_value)
+    if not is_call(node, aten.index.Tensor):
+        return None
+    base, indices = node.args[0], list(node.args[1])
+    if indices == [index]:
+        return base
+    if indices == [None, index] and is_call(base, aten.unsqueeze.default) and base.args[1] == 0:
+        return base.args[0]
+    return None
+
+
+def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
+    def no(reason: str) -> Decline:
+        return Decline(FORM, reason, end)
+
+    terms: list[ExpertTerm] = []
+    for link in links:
+        dim, index, source = link.args[1], link.args[2], link.args[3]
+        if dim != 0 or not isinstance(index, Node) or not isinstance(source, Node):
+            return no("expert outputs are not added back along the token dimension")
+        term = read_term(source)
+        if term is None:
+            return no("an expert's scattered output is not a gated MLP of the gathered tokens")
+        rows_value = term.hidden
+        if term.input_scaled_by is not None:  # MLP(x[tok] * w): let match_terms name the problem
+            rows_value = next(
+                (a for a in strip_casts(rows_value).args if isinstance(a, Node) and _gather_source(a, index)),
+                rows_value,
+            )
+        hidden = _gather_source(rows_value, index)
+        if hidden is None:
+            return no("an expert's input rows are not the hidden states at the tokens it adds back to")
+        terms.append(dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index))
+    base = strip_casts(links[0].args[0])
+    hidden_shape, out_shape = shape(terms[0].hidden), shape(base)
+    if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
+        return no("the accumulator is not a [T, H] tensor")
+    tokens = 1
+    for size in hidden_shape[:-1]:
+        tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
+    if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
+        return no("the accumulator does not hold one row per token of the hidden states")
+    output = end
+    users = list(end.users)
+    if len(users) == 1 and is_cast(users[0]):
+        output = users[0]
+    return match_terms(output, terms, FORM)
