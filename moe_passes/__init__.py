@@ -6,10 +6,16 @@ elsewhere. `moe_passes.explain(model, *args)` says what happened.
 """
 
 from . import fused_op  # noqa: F401  (registers torch.ops.moe_passes.mixture_of_experts)
+from .adapters import adapt, install_discovery_hook
 from .backend import hpu_moe
 from .explain import explain
 from .options import Options
 from .report import Declined, Fused, Report
 
-__all__ = ["Declined", "Fused", "Options", "Report", "explain", "hpu_moe"]
+__all__ = ["Declined", "Fused", "Options", "Report", "adapt", "explain", "hpu_moe", "install_discovery_hook"]
 __version__ = "0.1.0"
+
+# Importing the package is what looking up backend="hpu_moe" does: adapt the framework MoE layers
+# already defined, and look again before dynamo compiles each frame.
+adapt()
+install_discovery_hook()

@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.backends.registry import list_backends, lookup_backend
 
 from . import lowering
+from .adapters import install_discovery_hook
 from .ir import to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes.pipeline import fuse_moe
@@ -90,6 +91,7 @@ def _trace_artifact(name: str, gm: torch.fx.GraphModule) -> None:
 def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None):
     """torch.compile backend: fuse MoE layers into one `mixture_of_experts` call each, then compile."""
     opts = Options.parse(options)
+    install_discovery_hook()  # again after a dynamo reset(), for the next frames
     target = lowering.resolve_target(opts.target)
     compiler = _inner_compiler(opts.inner)
     record = GraphRecord(index=next_graph_index())

@@ -7,6 +7,7 @@ import functools
 import torch
 from torch._dynamo.utils import counters
 
+from .adapters import adapt, install_discovery_hook
 from .backend import hpu_moe, inner_name
 from .lowering import resolve_target
 from .options import Options
@@ -29,6 +30,9 @@ def explain_and_run(model_or_fn, *args, options: dict | None = None, **kwargs):
     opts = Options.parse(options)
     torch._dynamo.reset()
     counters.clear()
+    install_discovery_hook()  # dynamo's reset() dropped it
+    if opts.adapters and isinstance(model_or_fn, torch.nn.Module):
+        adapt(model_or_fn)
     backend = functools.partial(hpu_moe, options=opts)
     functools.update_wrapper(backend, hpu_moe)
     compiled = torch.compile(model_or_fn, backend=backend)

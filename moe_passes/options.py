@@ -16,12 +16,15 @@ class Options:
     verify:  run the graph before and after the rewrite on the example inputs and keep the rewrite only
              when the outputs agree within the dtype's tolerance.
     enabled: False leaves every graph as it is (the inner backend still compiles it).
+    adapters: False traces framework MoE layers (vLLM-style FusedMoE) as they are written, instead of
+             through the adapters that make them traceable (moe_passes/adapters).
     """
 
     inner: str | Callable | None = None
     target: str = "auto"
     verify: bool = False
     enabled: bool = True
+    adapters: bool = True
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -40,6 +43,7 @@ class Options:
             raise ValueError(f"hpu_moe option target must be one of {TARGETS}, got {parsed.target!r}")
         if parsed.inner is not None and not (isinstance(parsed.inner, str) or callable(parsed.inner)):
             raise TypeError("hpu_moe option inner must be a backend name or a callable")
-        if not isinstance(parsed.verify, bool) or not isinstance(parsed.enabled, bool):
-            raise TypeError("hpu_moe options verify and enabled must be bools")
+        for flag in ("verify", "enabled", "adapters"):
+            if not isinstance(getattr(parsed, flag), bool):
+                raise TypeError(f"hpu_moe option {flag} must be a bool")
         return parsed

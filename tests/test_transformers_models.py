@@ -203,7 +203,7 @@ def test_routing_is_reported():
     }, str(report)
     model, inputs = build("gpt_oss", "batched_mm", torch.float32)
     report, _, _ = run_hpu_moe(model, inputs)
-    assert {f.routing for f in report.fused} == {"topk_softmax"}, str(report)
+    assert {f.routing for f in report.fused} == {"topk_softmax, fp32 softmax"}, str(report)
 
 
 def test_fused_calls_snapshot():
@@ -233,14 +233,8 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
     )
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-def test_llama4_is_declined_with_the_reason(implementation):
-    """Llama4 scales each expert's input by its routing weight: not the kernel's semantics.
-
-    Llama4's experts keep their own forward (no `use_experts_implementation`), so the setting changes
-    nothing: under either value the layers are declined, with the reason, and the model runs as before.
-    """
-    config = transformers.Llama4TextConfig(
+def llama4_config(**kwargs):
+    return transformers.Llama4TextConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=16,
@@ -252,8 +246,23 @@ def test_llama4_is_declined_with_the_reason(implementation):
         num_local_experts=4,
         num_experts_per_tok=1,
         moe_layers=[0, 1],
-        experts_implementation=implementation,
+        **kwargs,
     )
+
+
+def test_llama4_refuses_grouped_mm():
+    """Llama4's experts keep their own forward: transformers refuses experts_implementation='grouped_mm'."""
+    with pytest.raises(ValueError, match="does not support setting experts implementation"):
+        transformers.Llama4ForCausalLM(llama4_config(experts_implementation="grouped_mm"))
+
+
+@pytest.mark.parametrize("implementation", [None, "batched_mm"])
+def test_llama4_is_declined_with_the_reason(implementation):
+    """Llama4 scales each expert's input by its routing weight: not the kernel's semantics.
+
+    transformers accepts `batched_mm` for Llama4 but its experts keep their own dense bmm forward.
+    """
+    config = llama4_config(**({"experts_implementation": implementation} if implementation else {}))
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(config).eval()
     inputs = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)

@@ -1,0 +1,93 @@
+"""Installing an adapter on a class, and deciding at trace time whether it applies."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "MOE_PASSES_ADAPTERS"
+_ADAPTED: dict[type, str] = {}  # class -> adapter name
+
+
+def env_enabled() -> bool:
+    """False when MOE_PASSES_ADAPTERS is 0/false/off/no."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _hpu_moe_options_of(compiler) -> dict | None:
+    """The options of the compile in progress when its backend is hpu_moe, else None.
+
+    Dynamo wraps the backend (debug wrapper, torch.compile's options wrapper, explain's partial); walk
+    the wrappers down to the function and keep the options met on the way.
+    """
+    from ..backend import hpu_moe
+
+    options: dict | None = None
+    for _ in range(8):
+        if compiler is hpu_moe:
+            return options if options is not None else {}
+        if isinstance(compiler, functools.partial):
+            options = compiler.keywords.get("options", options)
+            compiler = compiler.func
+            continue
+        kwargs = getattr(compiler, "kwargs", None)
+        if isinstance(kwargs, dict) and "options" in kwargs:
+            options = kwargs["options"]
+        inner = getattr(compiler, "_torchdynamo_orig_backend", None) or getattr(compiler, "compiler_fn", None)
+        if inner is None or inner is compiler:
+            return None
+        compiler = inner
+    return None
+
+
+@torch.compiler.assume_constant_result
+def adapters_active() -> bool:
+    """True while dynamo traces for the hpu_moe backend with adapters enabled (a trace-time constant).
+
+    Dynamo guards every compiled frame on the backend that compiled it, so a constant taken for one
+    backend never serves another.
+    """
+    if not torch.compiler.is_compiling() or not env_enabled():
+        return False
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        options = _hpu_moe_options_of(tx.output.compiler_fn)
+    except Exception:  # noqa: BLE001 - another torch's internals: keep the original forward
+        return False
+    if options is None:
+        return False
+    if hasattr(options, "adapters"):  # an Options instance
+        return bool(options.adapters)
+    return bool(options.get("adapters", True)) if isinstance(options, dict) else True
+
+
+def install(cls: type, traceable_forward: Callable, name: str) -> bool:
+    """Give `cls` a forward that runs `traceable_forward` under hpu_moe tracing; False if already done."""
+    if cls in _ADAPTED or getattr(cls.forward, "__moe_passes_original__", None) is not None:
+        return False
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if adapters_active():
+            return traceable_forward(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    forward.__moe_passes_original__ = original
+    cls.forward = forward
+    _ADAPTED[cls] = name
+    log.info("adapter %s installed on %s.%s", name, cls.__module__, cls.__qualname__)
+    return True
+
+
+def adapted_classes() -> dict[str, str]:
+    """{"module.Class": adapter name} for every class adapted in this process."""
+    return {f"{cls.__module__}.{cls.__qualname__}": name for cls, name in _ADAPTED.items()}

@@ -1,0 +1,67 @@
+"""Finding the classes to adapt: by convention among loaded nn.Module classes, and by name for vLLM."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import vllm_style
+from .base import env_enabled, install
+
+log = logging.getLogger(__name__)
+
+_seen_subclass_count = -1
+
+
+def _module_classes() -> list[type]:
+    classes, stack, seen = [], [torch.nn.Module], set()
+    while stack:
+        cls = stack.pop()
+        for sub in type.__subclasses__(cls):
+            if sub not in seen:
+                seen.add(sub)
+                classes.append(sub)
+                stack.append(sub)
+    return classes
+
+
+def adapt(model: torch.nn.Module | None = None) -> list[str]:
+    """Install adapters on the classes of `model`'s modules (or every loaded nn.Module class).
+
+    Returns "module.Class" for each class adapted by this call. Honours MOE_PASSES_ADAPTERS=0.
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"adapt() needs an nn.Module or None, got {type(model).__name__}")
+    if not env_enabled():
+        return []
+    classes = {type(m) for m in model.modules()} if model is not None else _module_classes()
+    adapted = []
+    for cls in classes:
+        if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
+            adapted.append(f"{cls.__module__}.{cls.__qualname__}")
+    from . import vllm
+
+    adapted.extend(vllm.install_if_loaded())
+    return adapted
+
+
+def _adapt_new_classes(*_args) -> None:
+    """Dynamo start-of-compile callback: adapt classes defined since the last look (cheap when none)."""
+    global _seen_subclass_count
+    classes = _module_classes()
+    if len(classes) != _seen_subclass_count:
+        _seen_subclass_count = len(classes)
+        adapt()
+
+
+def install_discovery_hook() -> None:
+    """Run discovery before dynamo compiles any frame (dynamo's reset() clears it: call again after)."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    register = getattr(handler, "register_start_callback", None)
+    if register is None:
+        log.debug("this torch has no dynamo start callbacks; adapters install at import and in explain()")
+        return
+    callbacks = getattr(handler, "start_callbacks", [])
+    if _adapt_new_classes not in callbacks:
+        register(_adapt_new_classes)
