@@ -53,7 +53,7 @@ def test_backend_is_listed_by_dynamo():
         ({"bogus": 1}, "unknown hpu_moe option"),
         ({"target": "tpu"}, "target must be one of"),
         ({"inner": 3}, "inner must be a backend name or a callable"),
-        ({"verify": "yes"}, "must be bools"),
+        ({"verify": "yes"}, "must be a bool"),
     ],
 )
 def test_bad_options_get_a_clear_error(options, error):
