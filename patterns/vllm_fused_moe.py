@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import init_weights, settings
+from ._common import finish, settings
 from ._expected import Expected
 
 EXPECTED = Expected(fused=2, overload="fused_weights")
@@ -190,14 +190,4 @@ def build(num_layers: int | None = None, **overrides):
     if num_layers is not None:
         overrides["layers"] = num_layers
     cfg = settings(overrides, exclude=("routing", "router_fp32", "activation"))
-    model = VllmStyleModel(cfg)
-    init_weights(model, cfg["seed"])
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-    model = model.to(cfg["dtype"]).eval()
-    generator = torch.Generator().manual_seed(cfg["seed"] + 1)
-    x = torch.randn(1, cfg["tokens"], cfg["hidden"], generator=generator).to(cfg["dtype"])
-    return model, (x,)
+    return finish(VllmStyleModel(cfg), cfg)
