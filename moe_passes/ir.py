@@ -50,11 +50,74 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
         # traces onto the ATen nodes, which is how reports name the layer each rewrite came from.
         return torch.fx.Interpreter(gm).run(*flat)
 
-    with fake_mode, fx_traceback.preserve_node_meta():
-        traced = make_fx(torch.func.functionalize(run, remove="mutations"))(*args)
+    functionalize = _python_functionalize if uses_functorch_transforms(gm) else _functorch_functionalize
+    depth = _functorch_depth()
+    try:
+        with fake_mode, fx_traceback.preserve_node_meta():
+            traced = make_fx(functionalize(run))(*args)
+    except BaseException:
+        # A trace that fails inside a functorch transform can leave its interpreter levels pushed, and
+        # dynamo then rejects the frame it is compiling ("Guard failed on the same frame"): undo them
+        # so that the fallback to the captured graph really is harmless.
+        _restore_functorch_depth(depth)
+        raise
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def uses_functorch_transforms(gm: torch.fx.GraphModule) -> bool:
+    """Whether dynamo inlined a torch.func transform (vmap: `_vmap_increment_nesting`, `_add_batch_dim`)
+    into the graph, as transformers' Mamba scans (`associative_scan` in generic mode) do.
+
+    functorch's C++ functionalize transform cannot sit under such levels (an internal assert), so these
+    graphs are functionalized in Python, the way AOTAutograd does it.
+    """
+    return any(
+        node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
+        for node in gm.graph.nodes
+    )
+
+
+def _functorch_functionalize(run):
+    return torch.func.functionalize(run, remove="mutations")
+
+
+def _python_functionalize(run):
+    """`torch.func.functionalize(run, remove="mutations")` done by FunctionalTensorMode: mutations become
+    functional ops, and an input that was mutated is written back with one `copy_` at the end."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def unwrap(value):
+        if not isinstance(value, FunctionalTensor):
+            return value
+        torch._sync(value)
+        return torch._from_functional_tensor(value.elem)
+
+    def functional(*flat):
+        exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+        with exclude, FunctionalTensorMode():
+            wrapped = [FunctionalTensor.to_functional(v) if isinstance(v, torch.Tensor) else v for v in flat]
+            outputs = torch.utils._pytree.tree_map_only(FunctionalTensor, unwrap, run(*wrapped))
+            for original, value in zip(flat, wrapped, strict=True):
+                if isinstance(value, FunctionalTensor):
+                    torch._sync(value)
+                    if torch._functionalize_has_data_mutation(value.elem):
+                        original.copy_(torch._from_functional_tensor(value.elem))
+        return outputs
+
+    return functional
+
+
+def _functorch_depth() -> int | None:
+    get_depth = getattr(torch._C._functorch, "get_dynamic_layer_stack_depth", None)
+    return get_depth() if get_depth is not None else None
+
+
+def _restore_functorch_depth(depth: int | None) -> None:
+    undo = getattr(torch._C._functorch, "pop_dynamic_layer_stack_and_undo_to_depth", None)
+    if depth is not None and undo is not None:
+        undo(depth)
 
 
 def views_to_reshapes(gm: torch.fx.GraphModule) -> None:
