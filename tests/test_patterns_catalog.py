@@ -77,6 +77,7 @@ def test_catalog_lists_the_forms_in_a_stable_order():
         "near_miss_output_escapes",
         "near_miss_unequal_experts",
         "near_miss_exact_gelu",
+        "near_miss_clamped_swiglu",
         "near_miss_llama4_dense_bmm",
         "near_miss_data_dependent_loop",
     ]
@@ -212,3 +213,12 @@ def test_bad_overrides_are_errors(name):
         form.build(top_k=5)
     with pytest.raises(ValueError, match="num_experts"):
         form.build(num_experts=0)
+
+
+def test_clamped_swiglu_near_miss_clamps_for_real(monkeypatch):
+    """The clamps must change the numbers, or declining them would be a test that cannot fail."""
+    form = FORMS["near_miss_clamped_swiglu"]
+    model, inputs = form.build()
+    clamped = run(model, inputs)
+    monkeypatch.setattr(form, "SWIGLU_LIMIT", float("inf"))
+    assert (run(model, inputs) - clamped).abs().max() > 1e-3

@@ -202,6 +202,29 @@ def clamped_swiglu(node: Node) -> ClampedSwiglu | None:
     return None
 
 
+def _clamp_text(node: Node, name: str) -> tuple[Node, str] | None:
+    """(the clamped tensor, "name in [lo, hi]") for a clamp with constant bounds."""
+    if not is_call(node, aten.clamp.default):
+        return None
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    text = name if low is None else f"{low:g} <= {name}"
+    text = text if high is None else f"{text} <= {high:g}"
+    return strip_shape_ops(node.args[0]), text if (low, high) != (None, None) else f"clamped {name}"
+
+
+def _clamped_halves(gate: Node, up: Node) -> str | None:
+    """A description of the clamps when gate and up are clamped halves of one projection."""
+    gate_clamp, up_clamp = _clamp_text(gate, "gate"), _clamp_text(up, "up")
+    if gate_clamp is None and up_clamp is None:
+        return None
+    inner_gate = gate_clamp[0] if gate_clamp else gate
+    inner_up = up_clamp[0] if up_clamp else up
+    if halves(inner_gate, inner_up) is None:
+        return None
+    return "; ".join(text for _, text in filter(None, (gate_clamp, up_clamp)))
+
+
 @dataclass(frozen=True)
 class StackedGate:
     """What sits between the gate/up projection and the down projection of a stacked-weight expert form."""
@@ -225,5 +248,12 @@ def stacked_gate(down_input: Node) -> StackedGate | str:
         return f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)"
     split = halves(product.gate, product.up)
     if split is None:
+        clamped = _clamped_halves(product.gate, product.up)
+        if clamped is not None:
+            return (
+                f"gate and up are clamped before act(gate) * up ({clamped}: a clamped SwiGLU as in "
+                "DeepSeek-V4); the fused kernel has no such clamp (only its GPT-OSS overload clamps, and it "
+                "computes (up + 1) * gate * sigmoid(alpha * gate))"
+            )
         return "gate and up are not the two halves of one projection"
     return StackedGate(activation, split[0], None)
