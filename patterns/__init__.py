@@ -29,6 +29,7 @@ FORMS = (
     "near_miss_unequal_experts",
     "near_miss_exact_gelu",
     "near_miss_clamped_swiglu",
+    "near_miss_concatenated_swiglu",
     "near_miss_llama4_dense_bmm",
     "near_miss_data_dependent_loop",
 )

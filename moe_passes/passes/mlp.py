@@ -75,7 +75,7 @@ def gated_product(node: Node) -> GatedProduct | None:
 def halves(gate: Node, up: Node) -> tuple[Node, int] | None:
     """When gate and up are the first and second half of one tensor on the last dim: (tensor, I)."""
     # chunk(2, -1) / split(I, -1) -> getitem 0 and 1 of one split node
-    if is_getitem(gate, 0) and is_getitem(up, 1) and gate.args[0] is up.args[0]:
+    if is_getitem(gate, 0) and is_getitem(up, 1) and same_value(gate.args[0], up.args[0]):
         split = gate.args[0]
         if is_call(split, aten.split.Tensor, aten.split_with_sizes, aten.split_copy.Tensor) and _last_dim(
             split, split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
@@ -99,6 +99,22 @@ def halves(gate: Node, up: Node) -> tuple[Node, int] | None:
         if g and u and _last_dim(gate, g[0]) and g[1:] == (0, width // 2) and u[1:] == (width // 2, width):
             return source, width // 2
     return None
+
+
+def same_value(a: object, b: object, depth: int = 4) -> bool:
+    """Whether two nodes compute the same value: the same node, or the same op on the same arguments.
+
+    Tracing can duplicate a split and its squeeze (one copy per half); the halves are still one tensor's.
+    """
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+        return not isinstance(a, Node) and not isinstance(b, Node) and a == b
+    if a.op != "call_function" or a.op != b.op or a.target != b.target or a.kwargs != b.kwargs:
+        return False
+    if len(a.args) != len(b.args) or torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()):
+        return False
+    return all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args, strict=True))
 
 
 def _slice_bounds(node: Node, width: int | None) -> tuple[int, int, int] | None:
@@ -150,9 +166,10 @@ def _is_2d_swap(node: Node) -> bool:
 class ClampedSwiglu:
     """GPT-OSS's gate: gate/up interleaved in one projection, clamped, (up + 1) * gate * sigmoid(alpha * gate)."""
 
-    projection: Node  # [..., 2I], gate in the even columns, up in the odd ones
+    projection: Node  # [..., 2I], gate in the even columns, up in the odd ones (or halves, see below)
     alpha: float
     limit: float
+    interleaved: bool = True  # False: gate is the first half, up the second (MiniMax-M3, privacy filter)
 
 
 def _interleaved_half(node: Node, start: int) -> Node | None:
@@ -196,9 +213,11 @@ def clamped_swiglu(node: Node) -> ClampedSwiglu | None:
         if gate_bounds != (None, limit) or up.args[1] != -limit or not isinstance(alpha, float | int):
             continue
         source = _interleaved_half(gate.args[0], 0)
-        if source is None or _interleaved_half(up.args[0], 1) is not source:
-            continue
-        return ClampedSwiglu(source, float(alpha), float(limit))
+        if source is not None and _interleaved_half(up.args[0], 1) is source:
+            return ClampedSwiglu(source, float(alpha), float(limit))
+        split = halves(strip_shape_ops(gate.args[0]), strip_shape_ops(up.args[0]))
+        if split is not None:
+            return ClampedSwiglu(split[0], float(alpha), float(limit), interleaved=False)
     return None
 
 
@@ -237,6 +256,12 @@ class StackedGate:
 def stacked_gate(down_input: Node) -> StackedGate | str:
     """Read act(gate) * up over halves of one projection, or GPT-OSS's clamped swiglu; else a reason."""
     swiglu = clamped_swiglu(down_input)
+    if swiglu is not None and not swiglu.interleaved:
+        return (
+            "GPT-OSS's clamped swiglu on concatenated gate/up halves; the kernel's bias_fused_weights "
+            "overload reads gate and up interleaved (even/odd rows), so the weights would need a re-layout "
+            "(interleave gate_up_proj rows once at load time to get this layer fused)"
+        )
     if swiglu is not None:
         activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
         return StackedGate(activation, swiglu.projection, swiglu)
