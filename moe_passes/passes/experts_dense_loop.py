@@ -23,6 +23,8 @@ from .mlp import Projection, activation_of, gated_product, halves, projection
 
 aten = torch.ops.aten
 FORM = "dense_loop"
+# A graph compiled for zero tokens gives the probes nothing to check the routing on (and has no work).
+EMPTY_BATCH = "the batch is empty at compile time, so which expert takes which weight cannot be checked"
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,25 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
         members = [terms[n] for n in leaves]
         if all(t.coefficient is None and t.input_scaled_by is None for t in members):
             continue  # a sum of plain MLPs (e.g. parallel dense MLPs) is not an MoE candidate
-        results.append(match_terms(root, members))
+        results.append(_match_peeling_last_term(root, members, terms))
     return results
+
+
+def _match_peeling_last_term(root: Node, members: list[ExpertTerm], terms: dict) -> ExpertsMatch | Decline:
+    """The match for the whole sum, else for the sum without its last addend (a shared expert added
+    after the loop, `out + shared(x)`), which then stays beside the fused call; else the first decline.
+    """
+    result = match_terms(root, members)
+    if isinstance(result, ExpertsMatch) or not is_call(root, aten.add.Tensor):
+        return result
+    inner, last = root.args[0], root.args[1]
+    if not (isinstance(inner, Node) and isinstance(last, Node)) or last not in terms:
+        return result
+    rest = [t for t in members if t.term is not last]
+    if len(rest) != len(members) - 1 or len(rest) < 2:
+        return result
+    peeled = match_terms(inner, rest)
+    return peeled if isinstance(peeled, ExpertsMatch) else result
 
 
 def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> ExpertsMatch | Decline:
@@ -368,6 +387,8 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     if not is_zero_init(base) or dim not in (-1, 1) or len(shape(base)) != 2:
         return "the per-expert weights are not scattered into a zero [T, E] table"
     tokens, width = (int(probe._concrete(d)) for d in shape(base))
+    if tokens == 0:
+        return EMPTY_BATCH
     if not isinstance(weights, Node) or shape(ids) != shape(weights):
         return "routing ids and weights differ in shape"
     columns = probe.column_probes(tokens, width, dtype(padded))
@@ -385,6 +406,8 @@ def _assign_from_routing(tensors: set[Node], terms, slices):
     if shape(ids) != shape(weights) or len(shape(ids)) != 2:
         return "routing ids and weights are not [T, k] tensors of the same shape"
     tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
+    if tokens == 0:
+        return EMPTY_BATCH
     width = max(len(terms), _routing_width(ids) or 0)
     if top_k > width:
         return "top-k is larger than the number of experts"

@@ -209,7 +209,8 @@ def _offsets_source(offs: Node, perm: Node) -> Node | None:
 def _offsets_bins(offs: Node) -> int | None:
     counts = strip_casts(offs.args[0])
     if is_call(counts, aten.histc.default):
-        bins, low, high = (list(counts.args[1:]) + [100, 0, 0])[:3]
+        given = list(counts.args[1:])  # make_fx drops trailing defaults: max=0 for one expert
+        bins, low, high = given + [100, 0, 0][len(given) :]
         bins = const_int(bins)
         if bins is not None and low == 0 and high == bins - 1:
             return bins

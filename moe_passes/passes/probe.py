@@ -117,11 +117,22 @@ def _small_integers(shape, generator, dtype) -> torch.Tensor:
 def routing_probes(tokens: int, top_k: int, num_experts: int, weight_dtype: torch.dtype, count: int = 3):
     """Distinct-per-row ids (what top-k yields) and small positive weights, for `count` seeds."""
     probes = []
+    generator = torch.Generator()
     for seed in range(count):
-        generator = torch.Generator().manual_seed(1234 + seed)
+        generator.manual_seed(1234 + seed)
         rows = [torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]
         ids = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)
         probes.append((ids, _small_integers((tokens, top_k), generator, weight_dtype)))
+    # With few tokens (decode: one) the random probes may never pick some expert, whose weight would
+    # then be zero in every probe and indistinguishable from another's: add probes that pick them.
+    uncovered = sorted(set(range(num_experts)) - {int(i) for ids, _ in probes for i in ids.reshape(-1)})
+    while uncovered and tokens:
+        rows = []
+        for _ in range(tokens):
+            first, uncovered = uncovered[:top_k], uncovered[top_k:]
+            rest = [e for e in torch.randperm(num_experts, generator=generator).tolist() if e not in first]
+            rows.append(torch.tensor(first + rest[: top_k - len(first)]))
+        probes.append((torch.stack(rows), _small_integers((tokens, top_k), generator, weight_dtype)))
     return probes
 
 

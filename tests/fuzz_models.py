@@ -1,0 +1,404 @@
+"""Random MoE blocks across the catalog's dimensions, and the differential check each must pass.
+
+A `Case` names one block: routing form, k, E, H, I, activation, how the expert weights are stored,
+which expert computation runs them (dense loops, the transformers 4.x sparse loop, the 5.x grouped and
+batched GEMMs), dtype, shared expert, token count, static or dynamic shapes. `run_case` compiles the
+block with `hpu_moe` (portable target, eager inner) and compares it with eager: every case must either
+be fused (one fused call, equal within the dtype's tolerance) or left untouched with a reason in the
+report; which of the two is predicted from the case (`expect_fused`), so a wrong decline fails too.
+
+`cases()` is the hypothesis strategy; tests/test_fuzz.py runs a bounded budget of it and
+tools/fuzz.py a long one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
+
+from moe_passes.backend import hpu_moe
+from moe_passes.printer import is_fused_moe
+from moe_passes.report import collecting
+from patterns.hf_batched_mm import batched_linear
+from patterns.hf_grouped_mm import _grouped_mm, _tokens_per_expert
+from patterns.near_miss_data_dependent_loop import eager_experts_forward
+
+ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_bias", "sigmoid_bias_renorm")
+SUPPORTED_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": lambda t: F.gelu(t, approximate="tanh"),  # the kernel's gelu
+    "relu": F.relu,
+}
+UNSUPPORTED_ACTIVATIONS = {"gelu_exact": F.gelu, "elu": F.elu, "sigmoid": torch.sigmoid}
+ACTIVATIONS = {**SUPPORTED_ACTIVATIONS, **UNSUPPORTED_ACTIVATIONS}
+# Drawn twice as often as each unsupported one: most cases should exercise a rewrite.
+ACTIVATION_DRAW = (*sorted(SUPPORTED_ACTIVATIONS) * 2, *sorted(UNSUPPORTED_ACTIVATIONS))
+# expert computation -> weight storages it is written for
+STORAGES = {
+    "dense_mask": ("modulelist", "stacked", "transposed", "separate"),
+    "dense_scatter": ("modulelist", "stacked", "transposed", "separate"),
+    "sparse_loop": ("modulelist", "stacked", "transposed", "separate"),
+    "grouped_mm": ("stacked", "transposed"),
+    "batched_mm": ("stacked", "transposed"),
+    "hit_loop": ("stacked",),  # transformers 5.x `eager` experts: breaks the graph, never fusable
+}
+SHARED = ("none", "plain", "gated")
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
+SIGMOID_SCALE = 2.5  # DeepSeek-V3's routed_scaling_factor
+
+
+@dataclass(frozen=True)
+class Case:
+    """One generated MoE block and how it is run."""
+
+    experts: str
+    storage: str
+    routing: str
+    router_fp32: bool
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    activation: str
+    dtype: str
+    shared: str
+    tokens: int
+    dynamic: bool
+    seed: int
+    second_tokens: int | None = None  # dynamic cases also run at this token count
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def replay(self) -> str:
+        """Python that rebuilds this case, for failure messages."""
+        return f"Case(**{asdict(self)!r})"
+
+
+def expect_fused(case: Case) -> bool | None:
+    """Whether the passes must fuse this block (they must decline it, with a reason, otherwise).
+
+    None: either is right. Loops compiled for an empty batch give the routing checks no tokens to
+    check (declined with that reason); a dynamic case that starts at 0 or 1 token is first compiled
+    for that size (dynamo specialises 0 and 1), then recompiled for the second size.
+    """
+    if case.activation not in SUPPORTED_ACTIVATIONS or case.experts == "hit_loop":
+        return False
+    if case.tokens == 0 and not case.experts.endswith("_mm"):
+        return None
+    return True
+
+
+@st.composite
+def cases(draw) -> Case:
+    experts = draw(st.sampled_from(sorted(STORAGES)))
+    storage = draw(st.sampled_from(STORAGES[experts]))
+    # A loop over one expert is no loop (nothing marks it as an MoE); the GEMM forms take E = 1.
+    num_experts = draw(st.integers(1 if experts.endswith("_mm") else 2, 12))
+    top_k = draw(st.integers(1, min(num_experts, 4)))
+    grouped = experts == "grouped_mm"  # bfloat16 only, 16-byte strides (patterns/hf_grouped_mm.py)
+    dtype = "bfloat16" if grouped else draw(st.sampled_from(("float32", "bfloat16")))
+    size = st.sampled_from((8, 16, 24, 32)) if grouped else st.integers(1, 40)
+    dynamic = draw(st.booleans())
+    tokens = draw(st.sampled_from((0, 1, 2, 3, 5, 7, 8, 13, 64, 129)))
+    second = draw(st.sampled_from((1, 4, 9, 33))) if dynamic else None
+    return Case(
+        experts=experts,
+        storage=storage,
+        routing=draw(st.sampled_from(ROUTINGS)),
+        router_fp32=draw(st.booleans()),
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden=draw(size),
+        intermediate=draw(size),
+        activation=draw(st.sampled_from(ACTIVATION_DRAW)),
+        dtype=dtype,
+        shared=draw(st.sampled_from(SHARED)),
+        tokens=tokens,
+        dynamic=dynamic,
+        seed=draw(st.integers(0, 2**16)),
+        second_tokens=second,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The block
+
+
+class Router(nn.Module):
+    """Softmax/top-k routings of `patterns/_common.route`, plus DeepSeek-V3's bias-corrected sigmoid."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        self.case = case
+        self.gate = nn.Linear(case.hidden, case.num_experts, bias=False)
+        self.register_buffer("correction_bias", torch.linspace(-0.1, 0.1, case.num_experts))
+
+    def forward(self, x):
+        c, logits = self.case, self.gate(x)
+        if c.routing.startswith("sigmoid"):
+            scores = logits.float().sigmoid()
+            ids = torch.topk(scores + self.correction_bias, c.top_k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+            if c.routing.endswith("renorm"):
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * SIGMOID_SCALE
+            return (weights if c.router_fp32 else weights.to(x.dtype)), ids  # DeepSeek keeps float32
+        if c.routing == "topk_softmax":
+            values, ids = torch.topk(logits, c.top_k, dim=-1)
+            weights = F.softmax(values.float() if c.router_fp32 else values, dim=-1)
+            return weights.to(x.dtype), ids
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32) if c.router_fp32 else F.softmax(logits, -1)
+        weights, ids = torch.topk(probs, c.top_k, dim=-1)
+        if c.routing.endswith("renorm"):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class ExpertMLP(nn.Module):
+    """One gated expert with nn.Linear projections (the ModuleList storage)."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """The experts' weights in one of four storages, and `mlp(e, x)` for a single expert."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        e, h, i = case.num_experts, case.hidden, case.intermediate
+        self.storage, self.num_experts = case.storage, e
+        self.act_fn = ACTIVATIONS[case.activation]
+        self.is_transposed = case.storage == "transposed"
+        self.has_bias = False
+        if case.storage == "modulelist":
+            self.experts = nn.ModuleList(ExpertMLP(h, i, case.activation) for _ in range(e))
+        elif case.storage == "separate":
+            self.gate = nn.Parameter(torch.empty(e, i, h))
+            self.up = nn.Parameter(torch.empty(e, i, h))
+            self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        elif self.is_transposed:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
+            self.down_proj = nn.Parameter(torch.empty(e, i, h))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+            self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def mlp(self, e: int, x):
+        if self.storage == "modulelist":
+            return self.experts[e](x)
+        if self.storage == "separate":
+            h = self.act_fn(F.linear(x, self.gate[e])) * F.linear(x, self.up[e])
+            return F.linear(h, self.down_proj[e])
+        if self.is_transposed:
+            return self.apply_gate(x @ self.gate_up_proj[e]) @ self.down_proj[e]
+        return F.linear(self.apply_gate(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
+
+
+def dense_mask(experts: Experts, x, ids, weights):
+    out = torch.zeros_like(x)
+    for e in range(experts.num_experts):
+        out = out + experts.mlp(e, x) * (weights * (ids == e)).sum(dim=-1, keepdim=True)
+    return out
+
+
+def dense_scatter(experts: Experts, x, ids, weights):
+    padded = torch.zeros(x.shape[0], experts.num_experts, dtype=weights.dtype, device=x.device)
+    padded.scatter_(-1, ids, weights)
+    out = torch.zeros_like(x)
+    for e in range(experts.num_experts):
+        out += experts.mlp(e, x) * padded[:, e, None]
+    return out
+
+
+def sparse_loop(experts: Experts, x, ids, weights):
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=experts.num_experts).permute(2, 1, 0)
+    for e in range(experts.num_experts):
+        slot, token = torch.where(mask[e])
+        y = experts.mlp(e, x[None, token].reshape(-1, x.shape[-1])) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+def grouped_mm(experts: Experts, x, ids, weights):
+    """transformers 5.x grouped_mm_experts_forward (patterns/hf_grouped_mm.py), either layout."""
+    k = ids.size(-1)
+    sorted_ids, perm = torch.sort(ids.reshape(-1))
+    offsets = torch.cumsum(_tokens_per_expert(sorted_ids, experts.num_experts), dim=0, dtype=torch.int32)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if not experts.is_transposed:
+        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    out = _grouped_mm(x[perm // k], gate_up, offsets)
+    out = _grouped_mm(experts.apply_gate(out), down, offsets)
+    weighted = out * weights.reshape(-1)[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    return weighted[inverse].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
+
+
+def batched_mm(experts: Experts, x, ids, weights):
+    """transformers 5.x batched_mm_experts_forward (patterns/hf_batched_mm.py), either layout."""
+    k = ids.size(-1)
+    flat = ids.reshape(-1)
+    rows = x.repeat_interleave(k, dim=0)
+    out = batched_linear(rows, experts.gate_up_proj[flat], None, experts.is_transposed)
+    out = batched_linear(experts.apply_gate(out), experts.down_proj[flat], None, experts.is_transposed)
+    weighted = out * weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
+
+
+def hit_loop(experts: Experts, x, ids, weights):
+    return eager_experts_forward(experts, x, ids, weights)
+
+
+EXPERT_FORWARDS = {f.__name__: f for f in (dense_mask, dense_scatter, sparse_loop, grouped_mm, batched_mm)}
+EXPERT_FORWARDS["hit_loop"] = hit_loop
+
+
+class FuzzMoE(nn.Module):
+    """[1, T, H] -> [1, T, H]: route, run the experts the case's way, add the shared expert."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        self.case = case
+        self.router = Router(case)
+        self.experts = Experts(case)
+        self.forward_experts = EXPERT_FORWARDS[case.experts]
+        if case.shared != "none":
+            self.shared_expert = ExpertMLP(case.hidden, case.intermediate, "silu")
+            self.shared_gate = nn.Linear(case.hidden, 1, bias=False)
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.router(flat)
+        out = self.forward_experts(self.experts, flat, ids, weights)
+        if self.case.shared == "plain":
+            out = out + self.shared_expert(flat)
+        elif self.case.shared == "gated":
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared_expert(flat)
+        return out.to(x.dtype).reshape(shape)
+
+
+def build(case: Case) -> FuzzMoE:
+    """The case's block with seeded weights scaled by 1/sqrt(fan-in), in the case's dtype, in eval mode."""
+    model = FuzzMoE(case)
+    generator = torch.Generator().manual_seed(case.seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            fan_in = parameter.shape[-2 if name.endswith("proj") and case.storage == "transposed" else -1]
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(fan_in))
+    return model.to(case.torch_dtype).eval()
+
+
+def example(case: Case, tokens: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(case.seed + tokens + 1)
+    return torch.randn(1, tokens, case.hidden, generator=generator).to(case.torch_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The differential check
+
+
+@dataclass
+class Outcome:
+    """What one case did: "fused", "declined", or a failure ("mismatch", "exception", "wrong ...")."""
+
+    case: Case
+    kind: str
+    detail: str = ""
+    max_diff: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.kind not in ("fused", "declined")
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}\n  {self.case.replay()}"
+
+
+class _CountingInner:
+    """Eager inner backend that counts the fused calls in the graphs it is handed."""
+
+    def __init__(self):
+        self.fused_calls = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.fused_calls += sum(is_fused_moe(n) for n in gm.graph.nodes)
+        return lookup_backend("eager")(gm, example_inputs)
+
+
+def run_case(case: Case, options: dict | None = None) -> Outcome:
+    """Compile the case with hpu_moe, run it at its token count(s), compare with eager, classify."""
+    torch._dynamo.reset()
+    model = build(case)
+    inputs = [example(case, case.tokens)]
+    if case.dynamic:
+        inputs.append(example(case, case.second_tokens))
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    inner = _CountingInner()
+    opts = {"inner": inner, "target": "portable", **(options or {})}
+    backend = lambda gm, example_inputs: hpu_moe(gm, example_inputs, options=opts)  # noqa: E731
+    config = {"capture_dynamic_output_shape_ops": case.experts == "sparse_loop"}
+    try:
+        with collecting() as collector, torch.no_grad(), torch._dynamo.config.patch(**config):
+            compiled = torch.compile(model, backend=backend, dynamic=case.dynamic)
+            actual = [compiled(x) for x in inputs]
+    except Exception as error:  # noqa: BLE001 - an exception is a finding, reported with the case
+        return Outcome(case, "exception", f"{type(error).__name__}: {str(error)[:500]}")
+    finally:
+        torch._dynamo.reset()
+    fused = [f for r in collector.records for f in r.fused]
+    reasons = [d.reason for r in collector.records for d in r.declined]
+    reasons += [r.fallback for r in collector.records if r.fallback]
+    atol, rtol = TOLERANCE[case.torch_dtype]
+    max_diff = 0.0
+    for got, want in zip(actual, expected, strict=True):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return Outcome(case, "mismatch", f"{got.shape}/{got.dtype} != {want.shape}/{want.dtype}")
+        if got.numel():
+            max_diff = max(max_diff, (got.float() - want.float()).abs().max().item())
+        if not torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
+            return Outcome(case, "mismatch", f"max |diff| {max_diff:.3g}", max_diff, reasons)
+    if any(r.fallback and "internal error" in r.fallback for r in collector.records):
+        return Outcome(case, "exception", "; ".join(reasons), max_diff, reasons)
+    expected_fused = expect_fused(case)
+    if fused:
+        if expected_fused is False:
+            return Outcome(case, "wrong fuse", f"fused {[f.form for f in fused]}", max_diff, reasons)
+        if inner.fused_calls != len(fused) or len(fused) > len(collector.records):
+            # one MoE layer: at most one fused call per compiled graph (a recompile makes another)
+            return Outcome(case, "wrong fuse", f"{len(fused)} reported, {inner.fused_calls} in graphs")
+        return Outcome(case, "fused", fused[0].form, max_diff, reasons)
+    if expected_fused:
+        return Outcome(case, "wrong decline", "; ".join(reasons) or "nothing found", max_diff, reasons)
+    if not reasons and not _broke_the_graph(collector):
+        return Outcome(case, "unexplained", "neither fused nor declined with a reason", max_diff)
+    return Outcome(case, "declined", "; ".join(reasons) or "graph breaks", max_diff, reasons)
+
+
+def _broke_the_graph(collector) -> bool:
+    """A block dynamo split into several graphs never reaches the passes whole (explain names the break)."""
+    return len(collector.records) != 1
