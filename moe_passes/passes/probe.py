@@ -10,6 +10,8 @@ same function for routing tensors of that shape.
 
 from __future__ import annotations
 
+import math
+
 import operator
 
 import torch
@@ -110,7 +112,14 @@ def slice_between(outputs: Node | list[Node], inputs: set[Node]) -> list[Node]:
 
 
 def _small_integers(shape, generator, dtype) -> torch.Tensor:
-    """Values 1..120: exact in every float dtype, so probe comparisons can be exact."""
+    """Values 1..120: exact in every float dtype, so probe comparisons can be exact.
+
+    Distinct while there are few enough of them, so that two experts chosen in the same probe never
+    receive equal weights (with one token, that is all that tells their columns apart).
+    """
+    count = math.prod(shape)
+    if count <= 120:
+        return (torch.randperm(120, generator=generator)[:count] + 1).reshape(shape).to(dtype)
     return torch.randint(1, 121, shape, generator=generator).to(dtype)
 
 
