@@ -83,9 +83,14 @@ def install(cls: type, traceable_forward: Callable, name: str) -> bool:
 
     forward.__moe_passes_original__ = original
     cls.forward = forward
+    record_adapted(cls, name)
+    return True
+
+
+def record_adapted(cls: type, name: str) -> None:
+    """Note `cls` as adapted by `name` (also for adapters that hook methods other than forward)."""
     _ADAPTED[cls] = name
     log.info("adapter %s installed on %s.%s", name, cls.__module__, cls.__qualname__)
-    return True
 
 
 def adapted_classes() -> dict[str, str]:

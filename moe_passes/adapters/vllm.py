@@ -1,45 +1,251 @@
-"""The adapter for real vLLM (active only when vLLM is importable), and its vLLM plugin hook.
+"""The adapter for real vLLM's fused MoE layers, and the vLLM plugin hook that installs it.
 
-vLLM loads plugins from the `vllm.general_plugins` entry point group in every process it starts;
-this package declares `register` there, so a vLLM server with moe-passes installed gets the adapter
-without code changes. `install_if_loaded` adapts vLLM's FusedMoE when vLLM has been imported.
+vLLM runs an MoE layer through an opaque custom op that receives the layer's *name* and finds the
+layer again in the forward context (`torch.ops.vllm.moe_forward(..., layer_name, ...)`). This module
+recognises, by the attributes and code of the loaded classes (not by version strings), which calling
+convention the installed vLLM uses, and adapts the one it can adapt exactly:
+
+* **runner module** (vLLM 0.25 to at least 0.33, `fused_moe/runner/moe_runner.py`): `FusedMoE` is a
+  factory and the layer itself is a `MoERunner`. `MoERunner.forward` does the pre- and post-processing
+  (routed input transform, padding, shared-expert and final reductions) around
+  `self._forward_entry(hidden, logits, shared_input, input_ids, self._encode_layer_name(), unpadded)`,
+  and the op's body is `get_layer_from_name(name)._forward_impl(hidden, logits, shared_input,
+  input_ids)`. The adapter keeps `forward` exactly as vLLM wrote it and hooks the two places that
+  involve the name: while dynamo traces for `hpu_moe`, `_forward_entry` is this runner's own
+  `_forward_impl` (the op's body without the lookup) and `_encode_layer_name` is skipped. Routing,
+  experts, shared experts, `_maybe_combine` and routing capture are vLLM's own code, run by reference.
+
+It only does so where `_forward_impl` needs nothing the forward context knows: one data-parallel rank,
+no sequence or context parallelism, no dual-batch overlap. Otherwise (dispatch/combine and chunking
+read per-step token counts from the context) the opaque op stays, as vllm-gaudi keeps it for
+`dp_size > 1`. Declined conventions, left untouched with a log line on the `moe_passes` logger:
+
+* **runner with a layer argument** (0.17 to 0.22, `DefaultMoERunner.forward_impl(layer, ...)`,
+  `MoERunner._forward_impl(layer, ...)`): the runner knows its `FusedMoE` only by name, so the impl
+  cannot be called by reference without the very lookup the adapter removes.
+* **FusedMoE layer** (0.10 to 0.16, `FusedMoE.forward_native` calls `torch.ops.vllm.moe_forward`):
+  the op is named globally inside `forward_native`, whose surrounding code changed in every release;
+  adapting it would mean re-implementing `forward_native` per release.
+* a `forward` replaced by someone else (vllm-gaudi's `patched_fused_moe_forward` already calls the
+  layer by reference for one DP rank), and anything not recognised.
+
+vLLM loads plugins from the `vllm.general_plugins` entry point group in each process it starts; this
+package declares `register` there, so a vLLM process with moe-passes installed gets the adapter.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import logging
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from . import vllm_style
-from .base import env_enabled, install
+from .base import adapters_active, env_enabled, record_adapted
 
 log = logging.getLogger(__name__)
 
-FUSED_MOE_MODULE = "vllm.model_executor.layers.fused_moe.layer"
+NAME = "vLLM MoERunner (layer by reference)"
+FUSED_MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
+# Where each convention keeps the class whose forward calls the opaque op, newest first.
+CANDIDATES = (
+    (f"{FUSED_MOE_PACKAGE}.runner.default_moe_runner", "DefaultMoERunner"),  # 0.17-0.19
+    (f"{FUSED_MOE_PACKAGE}.runner.moe_runner", "MoERunner"),  # 0.20+ (0.17-0.19: an abstract base)
+    (f"{FUSED_MOE_PACKAGE}.layer", "FusedMoE"),  # 0.10-0.16 (0.25+: a factory function)
+)
+ENTRY = "_forward_entry"
+ENCODE_NAME = "_encode_layer_name"
+IMPL = "_forward_impl"
 
 
-def install_if_loaded() -> list[str]:
-    """Adapt vLLM's FusedMoE if its module is already imported (never imports vLLM itself)."""
-    module = sys.modules.get(FUSED_MOE_MODULE)
-    if module is None or not env_enabled():
+@dataclass(frozen=True)
+class ApiShape:
+    """The calling convention recognised on a class; `reason` says why it is declined ("" if not)."""
+
+    name: str
+    reason: str = ""
+
+    @property
+    def supported(self) -> bool:
+        return not self.reason
+
+
+RUNNER_MODULE = "runner module (_forward_entry -> MoERunner._forward_impl)"
+
+
+def _code_names(function) -> set[str]:
+    code = getattr(function, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def _first_parameter(function) -> str | None:
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return parameters[1] if len(parameters) > 1 else None
+
+
+def detect_api_shape(cls: type) -> ApiShape:
+    """Which vLLM calling convention `cls` follows, found from its methods and their code."""
+    forward = getattr(cls, "forward", None)
+    original = getattr(forward, "__moe_passes_original__", forward)
+    forward_names = _code_names(original)
+    impl = getattr(cls, IMPL, None) or getattr(cls, "forward_impl", None)
+    if impl is not None and _first_parameter(impl) == "layer":
+        return ApiShape(
+            "runner with a layer argument",
+            f"{cls.__qualname__}.{impl.__name__}(layer, ...) needs the FusedMoE that owns the runner, "
+            "which the runner knows only by name: calling it by reference would need the lookup",
+        )
+    if callable(getattr(cls, "forward_native", None)) and callable(getattr(cls, "forward_impl", None)):
+        return ApiShape(
+            "FusedMoE layer (forward_native -> torch.ops.vllm.moe_forward)",
+            "forward_native calls the op by its global name and its surrounding code differs per "
+            "release; it is not re-implemented here",
+        )
+    if ENTRY in forward_names and ENCODE_NAME in forward_names:
+        if _first_parameter(impl) == "hidden_states" and callable(getattr(cls, ENCODE_NAME, None)):
+            return ApiShape(RUNNER_MODULE)
+        return ApiShape("runner module", f"{cls.__qualname__} has no {IMPL}(hidden_states, ...) to call")
+    module = getattr(original, "__module__", None)
+    if forward is not None and module != cls.__module__:
+        return ApiShape(
+            "forward replaced",
+            f"{cls.__qualname__}.forward is {module}.{getattr(original, '__qualname__', '?')}, not the "
+            "class's own; left to it",
+        )
+    return ApiShape("unknown", f"{cls.__qualname__}.forward calls neither {ENTRY} nor a known MoE op")
+
+
+def runs_alone(runner) -> bool:
+    """One DP rank, no sequence/context parallelism, no dual-batch overlap: nothing from the context.
+
+    Read at trace time from the layer's config (constants, equal for every layer of a model).
+    """
+    config = getattr(runner, "moe_config", None)
+    return (
+        getattr(config, "dp_size", None) == 1
+        and getattr(config, "pcp_size", 1) == 1
+        and getattr(config, "is_sequence_parallel", True) is False
+        and not getattr(runner, "enable_dbo", False)
+    )
+
+
+def calls_by_reference(runner) -> bool:
+    """True while dynamo traces for hpu_moe (adapters on) and `runner` can skip the opaque op."""
+    return adapters_active() and runs_alone(runner)
+
+
+def _forward_impl_by_reference(runner, hidden_states, router_logits, shared_experts_input, input_ids, *_name):
+    """The body of vLLM's `_moe_forward` / `_moe_forward_shared` with the layer already in hand."""
+    return getattr(runner, IMPL)(hidden_states, router_logits, shared_experts_input, input_ids)
+
+
+def _entry_property() -> property:
+    """`_forward_entry`, kept per instance as vLLM sets it, read through the adapter.
+
+    A data descriptor on the class wins over the instance dict, so layers built before the adapter
+    was installed are covered too; vLLM's `self._forward_entry = self._select_forward()` still stores
+    its op on the instance.
+    """
+
+    def get(runner):
+        if calls_by_reference(runner):
+            return functools.partial(_forward_impl_by_reference, runner)
+        try:
+            return runner.__dict__[ENTRY]
+        except KeyError:
+            raise AttributeError(f"{type(runner).__name__} has no attribute {ENTRY!r}") from None
+
+    def set_(runner, value):
+        runner.__dict__[ENTRY] = value
+
+    def delete(runner):
+        del runner.__dict__[ENTRY]
+
+    prop = property(get, set_, delete, "the op vLLM selected; the runner's own _forward_impl under hpu_moe")
+    prop.fget.__moe_passes_adapter__ = NAME
+    return prop
+
+
+def _skip_name_encoding(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def encode_layer_name(runner):
+        if calls_by_reference(runner):
+            return None  # the by-reference entry takes no name (nor the context read behind it)
+        return original(runner)
+
+    encode_layer_name.__moe_passes_original__ = original
+    return encode_layer_name
+
+
+def install_runner_adapter(cls: type) -> bool:
+    """Hook `cls._forward_entry` and `cls._encode_layer_name`; False if `cls` was already adapted."""
+    if getattr(getattr(cls, ENCODE_NAME, None), "__moe_passes_original__", None) is not None:
+        return False
+    setattr(cls, ENTRY, _entry_property())
+    setattr(cls, ENCODE_NAME, _skip_name_encoding(getattr(cls, ENCODE_NAME)))
+    record_adapted(cls, NAME)
+    return True
+
+
+def _loaded_class(modules: Mapping[str, object]) -> tuple[str, type] | None:
+    for module_name, class_name in CANDIDATES:
+        candidate = getattr(modules.get(module_name), class_name, None)
+        if isinstance(candidate, type) and not inspect.isabstract(candidate):
+            return f"{module_name}.{class_name}", candidate
+    return None
+
+
+def install_if_loaded(modules: Mapping[str, object] | None = None) -> list[str]:
+    """Adapt vLLM's MoE runner if its module is already imported (never imports vLLM itself).
+
+    `modules` defaults to `sys.modules`. Returns "module.Class" for a class adapted by this call.
+    """
+    if not env_enabled():
         return []
-    cls = getattr(module, "FusedMoE", None)
-    if cls is None or not vllm_style.follows_convention(cls):
-        log.info("vLLM's FusedMoE does not follow the calling convention this adapter knows; left as is")
+    found = _loaded_class(sys.modules if modules is None else modules)
+    if found is None:
         return []
-    if install(cls, vllm_style.traceable_forward, "vLLM FusedMoE (layer by reference)"):
-        return [f"{cls.__module__}.{cls.__qualname__}"]
-    return []
+    qualified, cls = found
+    if getattr(getattr(cls, ENCODE_NAME, None), "__moe_passes_original__", None) is not None:
+        return []  # adapted already
+    shape = detect_api_shape(cls)
+    if not shape.supported:
+        if cls not in _declined:
+            _declined.add(cls)
+            log.info("vLLM adapter: %s left as is (%s): %s", qualified, shape.name, shape.reason)
+        return []
+    return [qualified] if install_runner_adapter(cls) else []
+
+
+_declined: set[type] = set()  # logged once per class, not per compile
 
 
 def register() -> None:
-    """vLLM plugin entry point (`vllm.general_plugins`): adapt FusedMoE in this vLLM process."""
-    if not env_enabled():
-        return
+    """vLLM plugin entry point (`vllm.general_plugins`): adapt vLLM's MoE runner in this process.
+
+    Never raises (a plugin error would stop vLLM) and never imports vLLM when vLLM is not loaded.
+    """
     try:
-        importlib.import_module(FUSED_MOE_MODULE)
-    except ImportError as error:
-        log.warning("moe-passes vLLM plugin: cannot import %s (%s)", FUSED_MOE_MODULE, error)
-        return
-    install_if_loaded()
+        if not env_enabled():
+            log.info("moe-passes vLLM plugin: adapters are off (MOE_PASSES_ADAPTERS=0)")
+            return
+        if "vllm" not in sys.modules:
+            log.info("moe-passes vLLM plugin: vLLM is not loaded; nothing to adapt")
+            return
+        for module_name, _ in CANDIDATES:
+            try:
+                importlib.import_module(module_name)
+            except ImportError:
+                continue  # this vLLM keeps its MoE classes elsewhere
+        adapted = install_if_loaded()
+        from .discovery import install_discovery_hook
+
+        install_discovery_hook()  # catches the runner if its module is imported later
+        log.info("moe-passes vLLM plugin: %s", ", ".join(adapted) or "no class adapted by this call")
+    except Exception as error:  # noqa: BLE001 - a plugin must not stop vLLM
+        log.warning("moe-passes vLLM plugin: adapter not installed (%s: %s)", type(error).__name__, error)
