@@ -40,6 +40,26 @@ OP_CALLS = {"moe_forward": 0}
 # --- vLLM 0.33.0 `vllm/model_executor/layers/fused_moe/runner/moe_runner.py`: the supported shape ---
 
 
+_USE_LAYERNAME = False  # vllm.utils.torch_utils: LayerName objects instead of strings (torch >= 2.11)
+
+
+def is_forward_context_available() -> bool:
+    return vllm_fused_moe._forward_context is not None
+
+
+def get_forward_context():
+    return vllm_fused_moe.get_forward_context()
+
+
+def get_layer_from_name(layer_name: str):
+    """`get_layer_from_name`: by name, or the next of `all_moe_layers` (`fast_moe_cold_start`)."""
+    forward_context = get_forward_context()
+    if layer_name == "from_forward_context":
+        layer_name = forward_context.all_moe_layers[forward_context.moe_layer_index]
+        forward_context.moe_layer_index += 1
+    return forward_context.no_compile_layers[layer_name]
+
+
 @torch.library.custom_op("vllm_033_mirror::moe_forward", mutates_args=())
 def moe_forward(
     hidden_states: torch.Tensor,
@@ -51,7 +71,7 @@ def moe_forward(
 ) -> torch.Tensor:
     """`_moe_forward`: `get_layer_from_name(layer_name)._forward_impl(...)` through the forward context."""
     OP_CALLS["moe_forward"] += 1
-    layer = vllm_fused_moe.get_forward_context().no_compile_layers[layer_name]
+    layer = get_layer_from_name(layer_name)
     return layer._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids).clone()
 
 
@@ -93,8 +113,7 @@ class _MoERunner033(nn.Module):
         return torch.ops.vllm_033_mirror.moe_forward
 
     def _encode_layer_name(self) -> str:
-        ctx = vllm_fused_moe._forward_context
-        if ctx is not None and getattr(ctx, "all_moe_layers", None) is not None:
+        if is_forward_context_available() and get_forward_context().all_moe_layers is not None:
             return "from_forward_context"
         return self.layer_name
 
@@ -117,7 +136,7 @@ class _MoERunner033(nn.Module):
         return result
 
     def _sequence_parallel_context(self):
-        ctx = vllm_fused_moe.get_forward_context()
+        ctx = get_forward_context()
         return (
             ctx.dp_metadata.sp_local_sizes(self.moe_config.sp_size)
             if ctx.dp_metadata
@@ -186,9 +205,18 @@ def build(layers: int = LAYERS, **config):
     return model.eval(), torch.randn(1, 9, HIDDEN, generator=generator)
 
 
-def run(layers, model, x, dp_ranks: int = 1):
-    tokens = [x.shape[1]] * dp_ranks if dp_ranks > 1 else None
-    with torch.no_grad(), vllm_fused_moe.set_forward_context(model, num_tokens_across_dp=tokens):
+@contextlib.contextmanager
+def forward_context(model, dp_ranks: int = 1, count_layers: bool = False, tokens: int = 9):
+    """vLLM's model runner context; `count_layers` sets `all_moe_layers` (`fast_moe_cold_start`)."""
+    across_dp = [tokens] * dp_ranks if dp_ranks > 1 else None
+    with vllm_fused_moe.set_forward_context(model, num_tokens_across_dp=across_dp) as context:
+        context.all_moe_layers = list(model.static_forward_context) if count_layers else None
+        context.moe_layer_index = 0
+        yield context
+
+
+def run(layers, model, x, dp_ranks: int = 1, count_layers: bool = False):
+    with torch.no_grad(), forward_context(model, dp_ranks, count_layers, x.shape[1]):
         for layer in layers:
             x = layer(x)
     return x
@@ -345,6 +373,29 @@ def test_several_data_parallel_ranks_keep_the_opaque_op(fresh):
     torch.testing.assert_close(out, expected)
 
 
+def test_layers_found_by_counting_keep_the_opaque_op(fresh):
+    """fast_moe_cold_start: the n-th op call runs the n-th layer, so no layer may skip the op."""
+    model, x = build(layers=3)
+    expected = run(model.layers, model, x)
+    OP_CALLS["moe_forward"] = 0
+    compiled = [torch.compile(layer, backend="hpu_moe", options=PORTABLE_EAGER) for layer in model.layers]
+    out = run(compiled, model, x, count_layers=True)
+    assert OP_CALLS["moe_forward"] == 3
+    torch.testing.assert_close(out, expected)
+
+
+def test_layer_name_objects_make_counting_irrelevant(fresh, monkeypatch):
+    """With `_USE_LAYERNAME` (torch >= 2.11) vLLM never counts: the adapter applies."""
+    monkeypatch.setattr(sys.modules[__name__], "_USE_LAYERNAME", True)
+    model, x = build(layers=3)
+    expected = run(model.layers, model, x)
+    OP_CALLS["moe_forward"] = 0
+    compiled = [torch.compile(layer, backend="hpu_moe", options=PORTABLE_EAGER) for layer in model.layers]
+    out = run(compiled, model, x, count_layers=True)
+    assert OP_CALLS["moe_forward"] == 0 and counters["frames"]["ok"] == 1
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_padding_and_truncation_stay_vllms(fresh):
     """forward's own pre/post-processing runs under the adapter: hidden 16 padded to 24 and cut back."""
     registry: dict[str, nn.Module] = {}
@@ -358,7 +409,7 @@ def test_padding_and_truncation_stay_vllms(fresh):
     x, logits = torch.randn(7, HIDDEN, generator=generator), torch.randn(7, EXPERTS, generator=generator)
     holder = types.SimpleNamespace(static_forward_context=registry)
     compiled = torch.compile(runner, backend="hpu_moe", options=PORTABLE_EAGER)
-    with torch.no_grad(), vllm_fused_moe.set_forward_context(holder), collecting() as collector:
+    with torch.no_grad(), forward_context(holder), collecting() as collector:
         expected = runner(x, logits)
         out = compiled(x, logits)
     assert out.shape == (7, HIDDEN) and OP_CALLS["moe_forward"] == 1  # the eager call only

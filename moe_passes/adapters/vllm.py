@@ -15,10 +15,12 @@ convention the installed vLLM uses, and adapts the one it can adapt exactly:
   `_forward_impl` (the op's body without the lookup) and `_encode_layer_name` is skipped. Routing,
   experts, shared experts, `_maybe_combine` and routing capture are vLLM's own code, run by reference.
 
-It only does so where `_forward_impl` needs nothing the forward context knows: one data-parallel rank,
-no sequence or context parallelism, no dual-batch overlap. Otherwise (dispatch/combine and chunking
-read per-step token counts from the context) the opaque op stays, as vllm-gaudi keeps it for
-`dp_size > 1`. Declined conventions, left untouched with a log line on the `moe_passes` logger:
+It only does so where `_forward_impl` needs nothing the forward context knows (`runs_alone`: one
+data-parallel rank, no sequence or context parallelism, no dual-batch overlap, no LoRA) and where the
+op does not find layers by counting its calls (`fast_moe_cold_start`, vLLM's default on torch < 2.11:
+skipping the op in some layers would shift the count). Otherwise the opaque op stays, as vllm-gaudi
+keeps it for `dp_size > 1`. Declined conventions, left untouched with a log line on the `moe_passes`
+logger:
 
 * **runner with a layer argument** (0.17 to 0.22, `DefaultMoERunner.forward_impl(layer, ...)`,
   `MoERunner._forward_impl(layer, ...)`): the runner knows its `FusedMoE` only by name, so the impl
@@ -40,7 +42,7 @@ import importlib
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .base import adapters_active, env_enabled, record_adapted
@@ -121,9 +123,12 @@ def detect_api_shape(cls: type) -> ApiShape:
 
 
 def runs_alone(runner) -> bool:
-    """One DP rank, no sequence/context parallelism, no dual-batch overlap: nothing from the context.
+    """Whether `_forward_impl` needs nothing the forward context knows for this layer's configuration.
 
-    Read at trace time from the layer's config (constants, equal for every layer of a model).
+    One DP rank, no sequence or context parallelism, no dual-batch overlap (dispatch, combine and
+    chunking read per-step token counts from the context), and no LoRA (vLLM notes that its MoE-LoRA
+    dual-stream path relies on the op boundary). Read at trace time from the layer's config: constants,
+    the same for every layer of a model.
     """
     config = getattr(runner, "moe_config", None)
     return (
@@ -131,12 +136,25 @@ def runs_alone(runner) -> bool:
         and getattr(config, "pcp_size", 1) == 1
         and getattr(config, "is_sequence_parallel", True) is False
         and not getattr(runner, "enable_dbo", False)
+        and getattr(getattr(runner, "routed_experts", None), "lora_base_layer_prefix", None) is None
     )
 
 
-def calls_by_reference(runner) -> bool:
-    """True while dynamo traces for hpu_moe (adapters on) and `runner` can skip the opaque op."""
-    return adapters_active() and runs_alone(runner)
+def layers_found_by_counting(names_module) -> bool:
+    """True when the op finds layers by counting its calls (vLLM's `fast_moe_cold_start`).
+
+    Then the op takes "from_forward_context" and the n-th call runs the n-th MoE layer, so skipping the
+    op in some layers (compiled) but not others (run eagerly after a recompile limit) would shift the
+    count and run the wrong layer: the adapter keeps the op. Not the case when names are LayerName
+    objects (`_USE_LAYERNAME`, torch >= 2.11) or the context carries no `all_moe_layers`.
+    """
+    if getattr(names_module, "_USE_LAYERNAME", False) is True:
+        return False
+    available = getattr(names_module, "is_forward_context_available", None)
+    get_context = getattr(names_module, "get_forward_context", None)
+    if available is None or get_context is None:
+        return True  # cannot tell: keep the op
+    return bool(available()) and getattr(get_context(), "all_moe_layers", None) is not None
 
 
 def _forward_impl_by_reference(runner, hidden_states, router_logits, shared_experts_input, input_ids, *_name):
@@ -144,50 +162,47 @@ def _forward_impl_by_reference(runner, hidden_states, router_logits, shared_expe
     return getattr(runner, IMPL)(hidden_states, router_logits, shared_experts_input, input_ids)
 
 
-def _entry_property() -> property:
-    """`_forward_entry`, kept per instance as vLLM sets it, read through the adapter.
-
-    A data descriptor on the class wins over the instance dict, so layers built before the adapter
-    was installed are covered too; vLLM's `self._forward_entry = self._select_forward()` still stores
-    its op on the instance.
-    """
-
-    def get(runner):
-        if calls_by_reference(runner):
-            return functools.partial(_forward_impl_by_reference, runner)
-        try:
-            return runner.__dict__[ENTRY]
-        except KeyError:
-            raise AttributeError(f"{type(runner).__name__} has no attribute {ENTRY!r}") from None
-
-    def set_(runner, value):
-        runner.__dict__[ENTRY] = value
-
-    def delete(runner):
-        del runner.__dict__[ENTRY]
-
-    prop = property(get, set_, delete, "the op vLLM selected; the runner's own _forward_impl under hpu_moe")
-    prop.fget.__moe_passes_adapter__ = NAME
-    return prop
-
-
-def _skip_name_encoding(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def encode_layer_name(runner):
-        if calls_by_reference(runner):
-            return None  # the by-reference entry takes no name (nor the context read behind it)
-        return original(runner)
-
-    encode_layer_name.__moe_passes_original__ = original
-    return encode_layer_name
+_STORED_ENTRY = "_moe_passes_forward_entry"
 
 
 def install_runner_adapter(cls: type) -> bool:
-    """Hook `cls._forward_entry` and `cls._encode_layer_name`; False if `cls` was already adapted."""
-    if getattr(getattr(cls, ENCODE_NAME, None), "__moe_passes_original__", None) is not None:
+    """Hook `cls._forward_entry` and `cls._encode_layer_name`; False if `cls` was already adapted.
+
+    `_forward_entry` becomes a property: vLLM's `self._forward_entry = self._select_forward()` still
+    stores the op (on the instance, under another name), and reading it gives that op except while
+    dynamo traces for hpu_moe a layer that `runs_alone`, where it gives the layer's own `_forward_impl`.
+    A property wins over the instance dict, so layers built before the adapter are covered too.
+    """
+    encode = getattr(cls, ENCODE_NAME)
+    if getattr(encode, "__moe_passes_original__", None) is not None:
         return False
-    setattr(cls, ENTRY, _entry_property())
-    setattr(cls, ENCODE_NAME, _skip_name_encoding(getattr(cls, ENCODE_NAME)))
+    names_module = sys.modules.get(getattr(encode, "__module__", "") or "")
+
+    def by_reference(runner) -> bool:
+        return adapters_active() and runs_alone(runner) and not layers_found_by_counting(names_module)
+
+    def get_entry(runner):
+        if by_reference(runner):
+            return functools.partial(_forward_impl_by_reference, runner)
+        entry = getattr(runner, _STORED_ENTRY, None)
+        if entry is None:  # set before the adapter was installed
+            entry = runner.__dict__[ENTRY]
+        return entry
+
+    def set_entry(runner, value):
+        runner.__dict__[_STORED_ENTRY] = value
+
+    @functools.wraps(encode)
+    def encode_layer_name(runner):
+        if by_reference(runner):
+            return None  # the by-reference entry takes no name, nor the context read behind it
+        return encode(runner)
+
+    encode_layer_name.__moe_passes_original__ = encode
+    setattr(
+        cls, ENTRY, property(get_entry, set_entry, doc="vLLM's op; the layer's _forward_impl under hpu_moe")
+    )
+    setattr(cls, ENCODE_NAME, encode_layer_name)
     record_adapted(cls, NAME)
     return True
 
