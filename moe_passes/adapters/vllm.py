@@ -113,7 +113,7 @@ def detect_api_shape(cls: type) -> ApiShape:
             return ApiShape(RUNNER_MODULE)
         return ApiShape("runner module", f"{cls.__qualname__} has no {IMPL}(hidden_states, ...) to call")
     module = getattr(original, "__module__", None)
-    if forward is not None and module != cls.__module__:
+    if "forward" in vars(cls) and module != cls.__module__:
         return ApiShape(
             "forward replaced",
             f"{cls.__qualname__}.forward is {module}.{getattr(original, '__qualname__', '?')}, not the "
