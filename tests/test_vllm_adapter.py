@@ -80,6 +80,27 @@ def _(hidden_states, router_logits, shared_experts_input, input_ids, layer_name,
     return torch.empty_like(hidden_states)
 
 
+@torch.library.custom_op("vllm_033_mirror::moe_forward_shared", mutates_args=())
+def moe_forward_shared(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    shared_experts_input: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    layer_name: str,
+    hidden_dim_unpadded: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_moe_forward_shared`: the same lookup; (shared experts' output, routed experts' output)."""
+    OP_CALLS["moe_forward"] += 1
+    layer = get_layer_from_name(layer_name)
+    shared, fused = layer._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids)
+    return shared.clone(), fused.clone()
+
+
+@moe_forward_shared.register_fake
+def _(hidden_states, router_logits, shared_experts_input, input_ids, layer_name, hidden_dim_unpadded):
+    return torch.empty_like(hidden_states), torch.empty_like(hidden_states)
+
+
 @dataclass
 class FusedMoEConfig:
     """The fields of `fused_moe/config.py::FusedMoEConfig` the runner reads on its forward path."""
@@ -98,8 +119,11 @@ class _MoERunner033(nn.Module):
     layer, whose `forward_impl` is vLLM's routing and the Gaudi static expert loop.
     """
 
-    def __init__(self, layer_name: str, moe_config: FusedMoEConfig, static_forward_context: dict):
+    def __init__(
+        self, layer_name: str, moe_config: FusedMoEConfig, static_forward_context: dict, shared=None
+    ):
         nn.Module.__init__(self)  # not super(): mirror_033 copies these methods into fresh classes
+        self._shared_experts = shared
         self.moe_config = moe_config
         self.enable_dbo = False
         cfg = {"num_experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "top_k": TOP_K}
@@ -110,7 +134,8 @@ class _MoERunner033(nn.Module):
         static_forward_context[layer_name] = self  # register_layer_for_moe_forward_op
 
     def _select_forward(self):
-        return torch.ops.vllm_033_mirror.moe_forward
+        ops = torch.ops.vllm_033_mirror
+        return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
 
     def _encode_layer_name(self) -> str:
         if is_forward_context_available() and get_forward_context().all_moe_layers is not None:
@@ -125,15 +150,18 @@ class _MoERunner033(nn.Module):
         return hidden_states, None, trunc
 
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
+        if shared_experts_input is None and self._shared_experts is not None:
+            shared_experts_input = hidden_states  # apply_routed_input_transform without a transform
         hidden_states, _, og_hidden_dim_post_xform = self._maybe_pad_hidden_states(
             shared_experts_input, hidden_states
         )
         result = self._forward_entry(
             hidden_states, router_logits, shared_experts_input, input_ids, self._encode_layer_name(), 0
         )
+        shared_output, fused_output = result if isinstance(result, tuple) else (None, result)  # _unpack
         if og_hidden_dim_post_xform is not None:
-            result = result[..., :og_hidden_dim_post_xform]
-        return result
+            fused_output = fused_output[..., :og_hidden_dim_post_xform]
+        return fused_output if shared_output is None else shared_output + fused_output
 
     def _sequence_parallel_context(self):
         ctx = get_forward_context()
@@ -155,7 +183,11 @@ class _MoERunner033(nn.Module):
     def _forward_impl(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
         with self._sequence_parallel_context():
             hidden_states, router_logits = self._maybe_dispatch(hidden_states, router_logits)
-            return self.routed_experts.forward_impl(hidden_states, router_logits)
+            shared_output = (
+                None if self._shared_experts is None else self._shared_experts(shared_experts_input)
+            )
+            fused = self.routed_experts.forward_impl(hidden_states, router_logits)
+            return fused if shared_output is None else (shared_output, fused)  # _maybe_combine
 
 
 def mirror_033(name: str = "MoERunner033", module: str = __name__) -> type:
@@ -175,11 +207,17 @@ MoERunner033 = mirror_033()
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, index: int, moe_config: FusedMoEConfig, static_forward_context: dict):
+    def __init__(self, index: int, moe_config: FusedMoEConfig, static_forward_context: dict, shared: bool):
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
         self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.experts = MoERunner033(f"model.layers.{index}.mlp.experts", moe_config, static_forward_context)
+        shared_experts = nn.Sequential(
+            nn.Linear(HIDDEN, INTERMEDIATE), nn.SiLU(), nn.Linear(INTERMEDIATE, HIDDEN)
+        )
+        name = f"model.layers.{index}.mlp.experts"
+        self.experts = MoERunner033(
+            name, moe_config, static_forward_context, shared_experts if shared else None
+        )
 
     def forward(self, hidden_states):
         shape = hidden_states.shape
@@ -188,16 +226,16 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, layers: int, moe_config: FusedMoEConfig):
+    def __init__(self, layers: int, moe_config: FusedMoEConfig, shared: bool):
         super().__init__()
         self.static_forward_context: dict[str, nn.Module] = {}
         self.layers = nn.ModuleList(
-            DecoderLayer(i, moe_config, self.static_forward_context) for i in range(layers)
+            DecoderLayer(i, moe_config, self.static_forward_context, shared) for i in range(layers)
         )
 
 
-def build(layers: int = LAYERS, **config):
-    model = Model(layers, FusedMoEConfig(hidden_dim=HIDDEN, **config))
+def build(layers: int = LAYERS, shared: bool = False, **config):
+    model = Model(layers, FusedMoEConfig(hidden_dim=HIDDEN, **config), shared)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -373,6 +411,17 @@ def test_several_data_parallel_ranks_keep_the_opaque_op(fresh):
     torch.testing.assert_close(out, expected)
 
 
+def test_shared_experts_flow_through_vllms_own_combine(fresh):
+    """moe_forward_shared's path: `_forward_impl` returns (shared, routed); forward adds them."""
+    model, x = build(layers=4, shared=True)
+    expected = run(model.layers, model, x)
+    OP_CALLS["moe_forward"] = 0
+    compiled = [torch.compile(layer, backend="hpu_moe", options=PORTABLE_EAGER) for layer in model.layers]
+    out = run(compiled, model, x)
+    assert OP_CALLS["moe_forward"] == 0 and counters["frames"]["ok"] == 1 and not counters["graph_break"]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_layers_found_by_counting_keep_the_opaque_op(fresh):
     """fast_moe_cold_start: the n-th op call runs the n-th layer, so no layer may skip the op."""
     model, x = build(layers=3)
@@ -493,7 +542,7 @@ def test_real_vllm_shape_is_recognised_or_declined_with_a_reason(vllm_runner_cla
         assert shape.reason
 
 
-def test_real_vllm_layers_compiled_alone_share_one_compile(vllm_runner_class):
+def test_real_vllm_layers_compiled_alone_share_one_compile(vllm_runner_class, tmp_path):
     """Real FusedMoE layers (factory of vLLM 0.25+), one DP rank, compiled one by one under hpu_moe."""
     if not vllm_adapter.detect_api_shape(vllm_runner_class).supported:
         pytest.skip("this vLLM's MoE convention is declined by the adapter")
@@ -502,9 +551,10 @@ def test_real_vllm_layers_compiled_alone_share_one_compile(vllm_runner_class):
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe import FusedMoE
 
-    init_distributed_environment(1, 0, "tcp://127.0.0.1:29517", 0, backend="gloo")
+    init_distributed_environment(1, 0, f"file://{tmp_path / 'dist'}", 0, backend="gloo")
     initialize_model_parallel(1, 1)
     config = VllmConfig()
+    config.compilation_config.fast_moe_cold_start = False  # names, not a call count: the adapter applies
     with set_current_vllm_config(config):
         layers = [
             FusedMoE(
