@@ -57,7 +57,7 @@ def rewrite_graph(
 ):
     """The canonical graph with every fusable MoE layer rewritten, or None to keep `gm` as captured."""
     canonical = to_canonical_aten(gm, example_inputs)
-    fused, declined = fuse_moe(canonical, target, record.index)
+    fused, declined = fuse_moe(canonical, target, record.index, strict=options.strict)
     record.declined.extend(declined)
     if not fused:
         return None

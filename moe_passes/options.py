@@ -18,6 +18,9 @@ class Options:
     enabled: False leaves every graph as it is (the inner backend still compiles it).
     adapters: False traces framework MoE layers (vLLM-style FusedMoE) as they are written, instead of
              through the adapters that make them traceable (moe_passes/adapters).
+    strict:  decline (with the reason) every match whose rewrite rounds a value the model keeps wider
+             than the hidden dtype (float32 router weights, or a float32 combine, under bfloat16
+             experts): for users who need bit-for-bit routing rather than agreement within tolerance.
     """
 
     inner: str | Callable | None = None
@@ -25,6 +28,7 @@ class Options:
     verify: bool = False
     enabled: bool = True
     adapters: bool = True
+    strict: bool = False
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -43,7 +47,7 @@ class Options:
             raise ValueError(f"hpu_moe option target must be one of {TARGETS}, got {parsed.target!r}")
         if parsed.inner is not None and not (isinstance(parsed.inner, str) or callable(parsed.inner)):
             raise TypeError("hpu_moe option inner must be a backend name or a callable")
-        for flag in ("verify", "enabled", "adapters"):
+        for flag in ("verify", "enabled", "adapters", "strict"):
             if not isinstance(getattr(parsed, flag), bool):
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
         return parsed

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import backward_slice, const_int, escaping_users, shape, strip_casts
+from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
 from ..report import Declined, Fused
 from . import (
     experts_batched_mm,
@@ -131,8 +131,52 @@ def _routing_text(match: ExpertsMatch) -> str:
     return ", ".join(parts)
 
 
-def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[Fused], list[Declined]]:
-    """Rewrite every MoE region of `gm` in place; returns what was fused and what was declined."""
+def rounding_needed(match: ExpertsMatch) -> str | None:
+    """What the rewrite rounds that the model keeps wider, or None when the call is exact in dtypes.
+
+    The kernel takes router weights in the hidden dtype and returns the hidden dtype: float32 router
+    weights (or a float32 combine) under bfloat16 experts are rounded. The default mode tolerates
+    this (the outputs agree within the dtype's tolerance); strict mode declines it.
+    """
+    hidden = dtype(match.hidden)
+    if hidden is None:
+        return None
+    region = region_of(match)
+    wide = [d for d in _dtypes_used_at(match.weights, region) if torch.promote_types(d, hidden) != hidden]
+    what = "router weights"
+    if not wide and dtype(match.output) is not None and torch.promote_types(dtype(match.output), hidden) != hidden:
+        wide, what = [dtype(match.output)], "combined expert output"
+    if not wide:
+        return None
+    return (
+        f"strict: the {what} are used in {str(wide[0]).removeprefix('torch.')} and the fused kernel "
+        f"takes them in {str(hidden).removeprefix('torch.')} (a rounding the default mode tolerates)"
+    )
+
+
+def _dtypes_used_at(node: Node, region: set[Node]) -> set[torch.dtype]:
+    """The dtypes in which the region computes with `node`'s values (after the casts the model made)."""
+    used, stack, seen = set(), [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if strip_casts(user) is not user:  # a cast or a view (an alias of the input): follow it
+                stack.append(user)
+            elif user in region and dtype(current) is not None:
+                used.add(dtype(current))
+    return used
+
+
+def fuse_moe(
+    gm: GraphModule, target: str, graph_index: int = 0, strict: bool = False
+) -> tuple[list[Fused], list[Declined]]:
+    """Rewrite every MoE region of `gm` in place; returns what was fused and what was declined.
+
+    strict: also decline matches whose rewrite needs a rounding (`rounding_needed`).
+    """
     fused: list[Fused] = []
     declined: list[Declined] = []
     seen_outputs: set[Node] = set()
@@ -152,6 +196,8 @@ def fuse_moe(gm: GraphModule, target: str, graph_index: int = 0) -> tuple[list[F
             continue
         seen_outputs.add(candidate.output)
         reason = check(candidate)
+        if reason is None and strict:
+            reason = rounding_needed(candidate)
         name = _layer_of(candidate)
         if reason is not None:
             declined.append(Declined(name, candidate.form, reason, graph_index))

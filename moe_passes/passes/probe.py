@@ -11,7 +11,6 @@ same function for routing tensors of that shape.
 from __future__ import annotations
 
 import math
-
 import operator
 
 import torch
