@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 NAMESPACE = "moe_passes"
 ACTIVATIONS = ("silu", "gelu", "relu")
 
@@ -97,10 +99,14 @@ def _check_lengths(lists: dict[str, Sequence[torch.Tensor]], count: int) -> None
 
 
 def _check_list(
-    name: str, tensors: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
+    name: str, tensors: Sequence[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, uniform=False
 ) -> None:
-    """Every tensor of one list has the expected shape and the hidden dtype."""
-    for index, tensor in enumerate(tensors):
+    """Every tensor of one list has the expected shape and the hidden dtype.
+
+    `uniform`: the list is known to be slices of one stacked tensor (same shape and dtype throughout),
+    so checking the first tensor checks them all.
+    """
+    for index, tensor in enumerate(tensors[:1] if uniform else tensors):
         if tuple(tensor.shape) != shape:
             raise MoEInputError(f"{name}[{index}] has shape {tuple(tensor.shape)}, expected {shape}")
         if tensor.dtype != dtype:
@@ -174,19 +180,26 @@ GROUPED_DEVICES = {"cuda"}
 
 
 def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The [E, ...] tensor that `tensors` are consecutive equal-stride slices of, or None."""
+    """The [E, ...] tensor that `tensors` are consecutive equal-stride slices of, or None.
+
+    Cheap enough to run on every call with E = 128 lists: addresses first (an integer each), then one
+    metadata comparison per tensor. The strided view is taken over the first tensor's storage, whose
+    bounds torch checks, so tensors that merely lie evenly spaced in memory are never read as one.
+    """
     first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else first.numel()
-    for index, t in enumerate(tensors):
-        if (
-            t.untyped_storage().data_ptr() != storage
-            or t.shape != first.shape
-            or t.stride() != first.stride()
-            or t.storage_offset() != first.storage_offset() + index * step
-        ):
-            return None
-    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), first.storage_offset())
+    pointers = [t.data_ptr() for t in tensors]
+    step = pointers[1] - pointers[0] if len(tensors) > 1 else first.numel() * first.element_size()
+    if step <= 0 or step % first.element_size() or pointers != list(range(pointers[0], pointers[-1] + 1, step)):
+        return None
+    shape, strides, dtype = first.shape, first.stride(), first.dtype
+    if not all(t.shape == shape and t.stride() == strides and t.dtype == dtype for t in tensors):
+        return None
+    try:
+        return first.as_strided(
+            (len(tensors), *shape), (step // first.element_size(), *strides), first.storage_offset()
+        )
+    except RuntimeError:  # past the end of the first tensor's storage: separate allocations
+        return None
 
 
 def _grouped_fused(
@@ -252,9 +265,17 @@ def mixture_of_experts(
     _check_lengths({"w1": w1, "w2": w2, "w3": w3}, count)
     hidden, dtype = hidden_states.shape[1], hidden_states.dtype
     inter = _intermediate_size("w1", w1[0], hidden, permuted_weights, parts=1)
-    for name, weights in (("w1", w1), ("w2", w2)):
-        _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype)
-    _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype)
+    stacks = [_stacked_view(w) for w in (w1, w2, w3)] if hidden_states.is_cuda else [None] * 3
+    for name, weights, stack in (("w1", w1, stacks[0]), ("w2", w2, stacks[1])):
+        _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype, stack is not None)
+    _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype, stacks[2] is not None)
+    if all(stack is not None for stack in stacks):
+        fused = kernels.fused_moe_cuda(
+            hidden_states, expert_routing_table, router_weights, *stacks, permuted_weights, activation,
+            experts_min,
+        )
+        if fused is not None:
+            return fused
 
     def gate_up(index: int, x: torch.Tensor):
         return _linear(x, w1[index], permuted_weights), _linear(x, w2[index], permuted_weights)
@@ -263,14 +284,21 @@ def mixture_of_experts(
     return _combine(hidden_states, expert_routing_table, router_weights, experts_min, count, expert)
 
 
-def _check_fused(hidden_states, w12, w3, permuted: bool, count: int) -> int:
-    """Check the fused gate/up and down lists; returns the intermediate size I."""
+def _check_fused(hidden_states, w12, w3, permuted: bool, count: int, stacks=(None, None)) -> int:
+    """Check the fused gate/up and down lists (`stacks`: their stacked views, if known); returns I."""
     _check_lengths({"w12": w12, "w3": w3}, count)
     hidden, dtype = hidden_states.shape[1], hidden_states.dtype
     inter = _intermediate_size("w12", w12[0], hidden, permuted, parts=2)
-    _check_list("w12", w12, _layout(2 * inter, hidden, permuted), dtype)
-    _check_list("w3", w3, _layout(hidden, inter, permuted), dtype)
+    _check_list("w12", w12, _layout(2 * inter, hidden, permuted), dtype, stacks[0] is not None)
+    _check_list("w3", w3, _layout(hidden, inter, permuted), dtype, stacks[1] is not None)
     return inter
+
+
+def _gate_and_up(stacked: torch.Tensor, inter: int, permuted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a stacked fused weight ([E, 2I, H] permuted, else [E, H, 2I])."""
+    if permuted:
+        return stacked[:, :inter], stacked[:, inter:]
+    return stacked[..., :inter], stacked[..., inter:]
 
 
 def mixture_of_experts_fused_weights(
@@ -288,7 +316,22 @@ def mixture_of_experts_fused_weights(
     act = activation_function(activation)
     _check_routing(hidden_states, expert_routing_table, router_weights)
     count = _expert_count(experts_min, experts_max)
-    _check_fused(hidden_states, w12, w3, permuted_weights, count)
+    _check_lengths({"w12": w12, "w3": w3}, count)
+    stacks = (_stacked_view(w12), _stacked_view(w3)) if hidden_states.is_cuda else (None, None)
+    inter = _check_fused(hidden_states, w12, w3, permuted_weights, count, stacks)
+    if stacks[0] is not None and stacks[1] is not None:
+        fused = kernels.fused_moe_cuda(
+            hidden_states,
+            expert_routing_table,
+            router_weights,
+            *_gate_and_up(stacks[0], inter, permuted_weights),
+            stacks[1],
+            permuted_weights,
+            activation,
+            experts_min,
+        )
+        if fused is not None:
+            return fused
     grouped = _grouped_fused(
         hidden_states,
         expert_routing_table,

@@ -1,0 +1,50 @@
+"""Device kernels for the portable op. Triton is optional: it is imported only when a CUDA tensor asks.
+
+`fused_moe_cuda` returns None whenever the fused kernel does not apply (no Triton, a dtype or
+activation it does not cover, weights that are not views of one stacked tensor); the caller then runs
+the portable implementation, so the op's result never depends on whether the kernel is there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .config import MoEConfig, TileConfig, choose_config
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_ACTIVATIONS = ("silu", "gelu", "relu")
+
+
+@functools.cache
+def triton_kernels():
+    """The Triton module, or None where Triton is missing or broken (imported once, on first CUDA use)."""
+    try:
+        from . import triton_moe
+    except Exception:  # ImportError, or a Triton that fails to initialise on this machine
+        return None
+    return triton_moe
+
+
+def kernel_applies(hidden_states: torch.Tensor, activation: str, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """The conditions the Triton kernel covers; anything else takes the portable path."""
+    return (
+        hidden_states.is_cuda
+        and hidden_states.dtype in KERNEL_DTYPES
+        and activation in KERNEL_ACTIVATIONS
+        and gate.stride() == up.stride()
+        and triton_kernels() is not None
+    )
+
+
+def fused_moe_cuda(hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min):
+    """The op's result from the fused Triton kernel, or None when the kernel does not apply."""
+    if not kernel_applies(hidden_states, activation, gate, up):
+        return None
+    return triton_kernels().fused_moe(
+        hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min
+    )
+
+
+__all__ = ["MoEConfig", "TileConfig", "choose_config", "fused_moe_cuda", "kernel_applies", "triton_kernels"]

@@ -1,0 +1,65 @@
+"""Tile shapes for the fused MoE kernel, chosen from the problem's shape alone (no autotuning at run time).
+
+Why a table and not an autotuner: the op is called once per layer per step with shapes that change with
+the batch, and an autotuner would time every new shape inside the user's step. The table follows the
+usual split of MoE GEMMs (vLLM's tuned configurations for the H100 show the same pattern): few rows per
+expert (decode) stream weights, so tiles are short in M and the grid is spread over N; many rows per
+expert (prefill) are matrix-unit bound, so tiles are large and deeply pipelined. Every entry was timed
+on an H100 with `tools/bench_kernel.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_BLOCK_M = 16  # the smallest M a tensor-core dot takes
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One GEMM's tiles: rows per block (shared by both GEMMs: the alignment pads to it), N, K, warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The tiles of the gate/up GEMM (block_n per half) and of the down GEMM; block_m is shared."""
+
+    gate_up: TileConfig
+    down: TileConfig
+
+    @property
+    def block_m(self) -> int:
+        return self.gate_up.block_m
+
+
+def rows_per_expert(pairs: int, experts: int) -> float:
+    """Mean routed rows per expert: the M of each expert's GEMM."""
+    return pairs / max(experts, 1)
+
+
+def choose_config(pairs: int, experts: int) -> MoEConfig:
+    """The tiles for `pairs` routed (token, expert) pairs spread over `experts` experts."""
+    m = rows_per_expert(pairs, experts)
+    if m <= 16:
+        return MoEConfig(TileConfig(16, 64, 128, 1, 4, 4), TileConfig(16, 64, 128, 1, 4, 4))
+    if m <= 32:
+        return MoEConfig(TileConfig(32, 64, 128, 4, 4, 4), TileConfig(32, 64, 128, 4, 4, 4))
+    if m <= 128:
+        return MoEConfig(TileConfig(64, 64, 64, 4, 4, 4), TileConfig(64, 128, 64, 4, 8, 4))
+    return MoEConfig(TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4))
+
+
+def padded_capacity(pairs: int, experts: int, block_m: int) -> int:
+    """Rows the expert-sorted, block-padded layout may need: each non-empty expert wastes < block_m rows.
+
+    At most min(pairs, experts) experts are non-empty, so this bound needs no look at the routing (and
+    no host sync).
+    """
+    return pairs + min(pairs, experts) * (block_m - 1)

@@ -1,0 +1,290 @@
+"""The fused MoE forward on CUDA in Triton: align, gate/up GEMM with the activation, down GEMM, combine.
+
+Design (after vLLM's fused_moe, written anew for this op's semantics):
+1. `_align_counts` (one program) counts the routed pairs per expert, pads each count to block_m, writes
+   each block's expert and each expert's first padded row; `_align_scatter` (one program per chunk of
+   pairs) places every pair in its expert's group with an atomic cursor. Nothing leaves the device.
+2. `_gate_up_kernel`: per block of block_m same-expert rows, gathers the token rows of x and computes
+   the gate and up tiles of the same columns in one pass over K, then writes act(gate) * up (float32
+   math, one rounding) in the padded layout.
+3. `_down_kernel`: the down projection of those rows, written unweighted to row `pair` of [T*k, H].
+4. `_combine_kernel`: out[t] = sum over slots of router_weight * y, in float32, skipping pairs routed
+   outside the expert range (selected away, so unwritten rows never leak NaN).
+Weights are read through strides, so both layouts (`permuted_weights`) and views of stacked tensors
+run without copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .align import block_count
+from .config import MoEConfig, choose_config
+
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+DTYPES = (torch.bfloat16, torch.float16)
+ALIGN_CHUNK = 4096
+
+
+@triton.jit
+def _align_counts(
+    table_ptr, cursor_ptr, block_expert_ptr, used_ptr, sorted_ptr,
+    pairs, experts_min, experts, blocks,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+    SCATTER: tl.constexpr,
+):
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        local = tl.load(table_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32) - experts_min
+        local = tl.where((local >= 0) & (local < experts) & (offs < pairs), local, BINS - 1)
+        counts += tl.histogram(local, BINS)
+    counts = tl.where(bins < experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, padded_end - padded, mask=bins < experts)
+    used = tl.sum(padded, 0)
+    tl.store(used_ptr, used)
+    for start in range(0, blocks, BLOCK_CHUNK):
+        block = start + tl.arange(0, BLOCK_CHUNK)
+        row = block * BLOCK_M
+        expert = tl.sum((padded_end[None, :] <= row[:, None]).to(tl.int32), 1)
+        expert = tl.where(row < used, expert, -1)
+        tl.store(block_expert_ptr + block, expert, mask=block < blocks)
+    for start in range(0, blocks * BLOCK_M, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + pairs, mask=offs < blocks * BLOCK_M)
+    if SCATTER:  # few pairs (one chunk): place them here too and save a launch
+        tl.debug_barrier()
+        offs = tl.arange(0, CHUNK)
+        inside = offs < pairs
+        local = tl.load(table_ptr + offs, mask=inside, other=-1).to(tl.int32) - experts_min
+        keep = inside & (local >= 0) & (local < experts)
+        slot = tl.atomic_add(cursor_ptr + local, 1, mask=keep)
+        tl.store(sorted_ptr + slot, offs, mask=keep)
+
+
+@triton.jit
+def _align_scatter(table_ptr, cursor_ptr, sorted_ptr, pairs, experts_min, experts, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    inside = offs < pairs
+    local = tl.load(table_ptr + offs, mask=inside, other=-1).to(tl.int32) - experts_min
+    keep = inside & (local >= 0) & (local < experts)
+    slot = tl.atomic_add(cursor_ptr + local, 1, mask=keep)
+    tl.store(sorted_ptr + slot, offs, mask=keep)
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 0:
+        return x * tl.sigmoid(x)
+    elif ACT == 1:  # tanh GELU, tanh(u) = 2 sigmoid(2u) - 1
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x * tl.sigmoid(2.0 * u)
+    else:
+        return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row blocks share each column sweep, so weight tiles stay in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_pid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, gate_ptr, up_ptr, inter_ptr, sorted_ptr, block_expert_ptr, used_ptr,
+    pairs, top_k, K, N, num_pid_m,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_im,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    real = pair < pairs
+    token = (pair // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :] * stride_xk
+    w_offs = expert * stride_we + ks[:, None] * stride_wk + cols[None, :].to(tl.int64) * stride_wn
+    g_ptrs = gate_ptr + w_offs
+    u_ptrs = up_ptr + w_offs
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:  # no K tail: only the row and column masks, which the compiler hoists
+            a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc_gate = tl.dot(a, g, acc_gate)
+        acc_up = tl.dot(a, u, acc_up)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = _activation(acc_gate, ACT) * acc_up
+    out_ptrs = inter_ptr + rows[:, None].to(tl.int64) * stride_im + cols[None, :]
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    inter_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, used_ptr,
+    pairs, K, N, num_pid_m,
+    stride_im, stride_we, stride_wk, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    real = pair < pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + rows[:, None].to(tl.int64) * stride_im + ks[None, :]
+    b_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+    out_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, table_ptr, weights_ptr, out_ptr, H, experts_min, experts,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        local = tl.load(table_ptr + pair).to(tl.int32) - experts_min
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        y = tl.load(y_ptr + pair * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        inside = (local >= 0) & (local < experts)
+        acc += tl.where(inside, y * weight, 0.0)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int):
+    """The block-padded, expert-sorted layout of `table` (see align.py), built on the device."""
+    flat = table.reshape(-1)
+    pairs = flat.numel()
+    blocks = block_count(pairs, experts, block_m)
+    device = table.device
+    cursor = torch.empty(experts, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    used = torch.empty(1, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(experts + 1)
+    _align_counts[(1,)](
+        flat, cursor, block_expert, used, sorted_pairs, pairs, experts_min, experts, blocks,
+        BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK, BLOCK_CHUNK=max(1, min(64, 8192 // bins)),
+        SCATTER=pairs <= ALIGN_CHUNK, num_warps=8,
+    )
+    if pairs > ALIGN_CHUNK:
+        _align_scatter[(triton.cdiv(pairs, ALIGN_CHUNK),)](
+            flat, cursor, sorted_pairs, pairs, experts_min, experts, CHUNK=ALIGN_CHUNK, num_warps=4
+        )
+    return sorted_pairs, block_expert, used
+
+
+def _weight_strides(stacked: torch.Tensor, permuted: bool) -> tuple[int, int, int]:
+    """(expert, k, n) strides of a stacked weight read as [E, in, out], whichever layout it is in."""
+    se, s1, s2 = stacked.stride()
+    return (se, s2, s1) if permuted else (se, s1, s2)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    table: torch.Tensor,
+    router_weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    permuted: bool,
+    activation: str,
+    experts_min: int,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """The op's result for stacked gate/up/down views ([E, out, in] if permuted, else [E, in, out])."""
+    tokens, hidden = hidden_states.shape
+    experts = gate.shape[0]
+    inter = gate.shape[1] if permuted else gate.shape[2]
+    top_k = table.shape[1]
+    pairs = tokens * top_k
+    out = torch.empty(tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    if tokens == 0:
+        return out
+    config = config or choose_config(pairs, experts)
+    table = table.contiguous()
+    sorted_pairs, block_expert, used = align(table, experts_min, experts, config.block_m)
+    num_pid_m = block_expert.numel()
+    x = hidden_states
+    cg, cd = config.gate_up, config.down
+    intermediate = torch.empty(num_pid_m * config.block_m, inter, dtype=x.dtype, device=x.device)
+    se, sk, sn = _weight_strides(gate, permuted)
+    if up.stride() != gate.stride():
+        raise ValueError("gate and up stacks must share strides")
+    grid = (num_pid_m * triton.cdiv(inter, cg.block_n),)
+    _gate_up_kernel[grid](
+        x, gate, up, intermediate, sorted_pairs, block_expert, used,
+        pairs, top_k, hidden, inter, num_pid_m,
+        x.stride(0), x.stride(1), se, sk, sn, intermediate.stride(0),
+        ACT=ACTIVATION_CODES[activation], BLOCK_M=cg.block_m, BLOCK_N=cg.block_n, BLOCK_K=cg.block_k,
+        GROUP_M=cg.group_m, EVEN_K=hidden % cg.block_k == 0, num_warps=cg.num_warps,
+        num_stages=cg.num_stages,
+    )
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    se, sk, sn = _weight_strides(down, permuted)
+    grid = (num_pid_m * triton.cdiv(hidden, cd.block_n),)
+    _down_kernel[grid](
+        intermediate, down, y, sorted_pairs, block_expert, used,
+        pairs, inter, hidden, num_pid_m,
+        intermediate.stride(0), se, sk, sn, y.stride(0),
+        BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m,
+        EVEN_K=inter % cd.block_k == 0, num_warps=cd.num_warps, num_stages=cd.num_stages,
+    )
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        y, table, router_weights.contiguous(), out, hidden, experts_min, experts,
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

@@ -1,0 +1,107 @@
+"""The CUDA fused-MoE kernel package: layout and tile logic on CPU, the kernel itself on CUDA only."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_passes import kernels
+from moe_passes.kernels.align import align_reference, block_count, check_alignment
+from moe_passes.kernels.config import choose_config, padded_capacity
+from moe_passes.reference import mixture_of_experts_fused_weights_reference, mixture_of_experts_reference
+
+CUDA_TRITON = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def routing_table(tokens: int, experts: int, top_k: int, seed: int, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]
+    return (torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)).to(device)
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, experts_min, held, block_m",
+    [(0, 4, 2, 0, 4, 16), (1, 128, 8, 0, 128, 16), (33, 8, 2, 0, 8, 16), (100, 16, 3, 4, 8, 32), (5, 8, 2, 0, 8, 64)],
+)
+def test_reference_alignment_is_a_valid_layout(tokens, experts, top_k, experts_min, held, block_m):
+    table = routing_table(tokens, experts, top_k, tokens + held)
+    check_alignment(table, experts_min, held, block_m, *align_reference(table, experts_min, held, block_m))
+
+
+def test_alignment_check_catches_a_broken_layout():
+    table = routing_table(10, 8, 2, 0)
+    sorted_pairs, block_expert, used = align_reference(table, 0, 8, 16)
+    broken = sorted_pairs.clone()
+    broken[0], broken[16] = broken[16].clone(), broken[0].clone()  # a pair moves into another expert's block
+    with pytest.raises(AssertionError):
+        check_alignment(table, 0, 8, 16, broken, block_expert, used)
+
+
+def test_capacity_bounds_the_padded_rows_without_looking_at_the_routing():
+    for tokens, experts, top_k, block_m in ((1, 128, 8, 16), (7, 8, 2, 64), (1000, 16, 4, 128)):
+        for seed in range(3):
+            table = routing_table(tokens, experts, top_k, seed)
+            _, _, used = align_reference(table, 0, experts, block_m)
+            assert int(used) <= padded_capacity(tokens * top_k, experts, block_m)
+            assert block_count(tokens * top_k, experts, block_m) * block_m >= int(used)
+
+
+def test_tiles_grow_with_rows_per_expert_and_fit_hopper_shared_memory():
+    previous = 0
+    for pairs in (1, 16, 256, 4096, 65536):
+        config = choose_config(pairs, 8)
+        assert config.gate_up.block_m == config.down.block_m >= previous
+        previous = config.block_m
+        for tile, operands in ((config.gate_up, 2), (config.down, 1)):
+            stage_bytes = 2 * (tile.block_m * tile.block_k + operands * tile.block_k * tile.block_n)
+            assert stage_bytes * tile.num_stages <= 227 * 1024
+
+
+def test_package_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import moe_passes, torch\n"
+        "from moe_passes import kernels\n"
+        "assert kernels.triton_kernels() is None\n"
+        "x = torch.zeros(2, 8)\n"
+        "assert not kernels.kernel_applies(x, 'silu', x, x)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cpu_tensors_never_take_the_kernel():
+    x = torch.randn(3, 16)
+    assert kernels.fused_moe_cuda(x, None, None, x, x, x, True, "silu", 0) is None
+
+
+@pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("permuted", [True, False])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("tokens, experts, top_k, experts_min, held", [(1, 8, 2, 0, 8), (300, 16, 4, 4, 8)])
+def test_kernel_matches_the_reference(permuted, activation, tokens, experts, top_k, experts_min, held):
+    triton_moe = kernels.triton_kernels()
+    table = routing_table(tokens, experts, top_k, tokens, "cuda")
+    for block_m in (16, 64):
+        check_alignment(table, experts_min, held, block_m, *triton_moe.align(table, experts_min, held, block_m))
+    x = torch.randn(tokens, 96, device="cuda").bfloat16()
+    w = torch.rand(tokens, top_k, device="cuda").bfloat16()
+    shape12, shape3 = ((held, 160, 96), (held, 96, 80)) if permuted else ((held, 96, 160), (held, 80, 96))
+    w12 = (torch.randn(shape12, device="cuda") / 10).bfloat16()
+    w3 = (torch.randn(shape3, device="cuda") / 10).bfloat16()
+    args = (x, table, w, list(w12.unbind(0)), list(w3.unbind(0)), permuted, activation, experts_min)
+    args = (*args, experts_min + held - 1)
+    actual = torch.ops.moe_passes.mixture_of_experts.fused_weights(*args)
+    expected = mixture_of_experts_fused_weights_reference(*args)
+    assert torch.isfinite(actual).all()
+    assert ((actual.float() - expected).norm() / expected.norm()).item() < 1e-2
+    w1 = torch.stack([t[:80] if permuted else t[:, :80] for t in w12]).contiguous()
+    w2 = torch.stack([t[80:] if permuted else t[:, 80:] for t in w12]).contiguous()
+    default = (x, table, w, list(w1.unbind(0)), list(w2.unbind(0)), list(w3.unbind(0)), permuted, activation)
+    default = (*default, experts_min, experts_min + held - 1)
+    actual = torch.ops.moe_passes.mixture_of_experts.default(*default)
+    expected = mixture_of_experts_reference(*default)
+    assert ((actual.float() - expected).norm() / expected.norm()).item() < 1e-2

@@ -1,0 +1,238 @@
+"""One MoE layer on the GPU: the original forms against `hpu_moe` with the portable op, and the limit.
+
+Mixtral-8x7B sizes (H 4096, I 14336, E 8, top-2) and Qwen3-30B-A3B sizes (H 2048, I 768, E 128, top-8),
+bfloat16, tokens T in {1, 16, 128, 1024, 8192}. Original forms: the transformers block with its
+`experts_implementation` "eager" (loop over hit experts, not compiled), "grouped_mm" and "batched_mm"
+under inductor, and the static dense loop (`patterns/static_dense_loop.py`, same weights and router)
+under inductor. Rewritten: the transformers grouped_mm block compiled with `hpu_moe` (inner inductor,
+portable target), whose MoE becomes one `torch.ops.moe_passes.mixture_of_experts` call. The limit is
+max(routed expert weight bytes / HBM bandwidth, FLOPs / bf16 matmul throughput), both ceilings measured
+in this run. Each time is the median over calls timed with CUDA events, inputs rotated so routing (and
+so the weights read) change every call.
+
+    python tools/bench_gpu.py --json docs/bench/gpu.json --plot docs/bench/gpu.png --markdown docs/bench/gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import moe_passes  # noqa: E402
+from patterns import static_dense_loop  # noqa: E402
+from patterns._common import settings  # noqa: E402
+from tools.bench_kernel import limit_ms, measure_ceilings, time_ms  # noqa: E402
+
+MODELS = {
+    "Mixtral-8x7B": dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
+    "Qwen3-30B-A3B": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
+}
+TOKENS = (1, 16, 128, 1024, 8192)
+ORIGINAL = ("eager loop", "grouped_mm+inductor", "batched_mm+inductor", "static loop+inductor")
+REWRITTEN = "hpu_moe+inductor"
+ROTATE = 4
+DEVICE = "cuda"
+GATHER_LIMIT_BYTES = 16 << 30  # batched_mm copies each routed expert's weights per (token, slot)
+
+
+def transformers_block(name: str, sizes: dict, implementation: str):
+    """The model's own transformers MoE block with `implementation` as its experts implementation."""
+    if name.startswith("Mixtral"):
+        from transformers import MixtralConfig as Config
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+
+        config = Config(hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+                        num_local_experts=sizes["experts"], num_experts_per_tok=sizes["top_k"])
+    else:
+        from transformers import Qwen3MoeConfig as Config
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        config = Config(hidden_size=sizes["hidden"], moe_intermediate_size=sizes["intermediate"],
+                        num_experts=sizes["experts"], num_experts_per_tok=sizes["top_k"], norm_topk_prob=True)
+    config = copy.deepcopy(config)
+    config.experts_implementation = implementation
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = implementation
+    with torch.device("meta"):
+        block = Block(config)
+    assert block.experts.config._experts_implementation == implementation, block.experts.config
+    return block
+
+
+def build(name: str, sizes: dict):
+    """{form: module} sharing one set of bfloat16 weights on the GPU."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    e, h, i = sizes["experts"], sizes["hidden"], sizes["intermediate"]
+    state = {
+        "gate.weight": torch.randn(e, h, device=DEVICE, generator=generator) * h**-0.5,
+        "experts.gate_up_proj": torch.randn(e, 2 * i, h, device=DEVICE, generator=generator) * h**-0.5,
+        "experts.down_proj": torch.randn(e, h, i, device=DEVICE, generator=generator) * i**-0.5,
+    }
+    state = {k: v.bfloat16() for k, v in state.items()}
+    blocks = {}
+    for form, implementation in (("eager loop", "eager"), ("grouped_mm", "grouped_mm"), ("batched_mm", "batched_mm")):
+        block = transformers_block(name, sizes, implementation)
+        block.load_state_dict(state, assign=True, strict=False)
+        blocks[form] = block.eval()
+    cfg = settings(dict(dtype=torch.bfloat16, num_experts=e, top_k=sizes["top_k"], hidden=h, intermediate=i),
+                   exclude=("activation",))
+    with torch.device("meta"):
+        static = static_dense_loop.StaticMoE(cfg)
+    static.load_state_dict({"router.gate.weight": state["gate.weight"], "w13_weight": state["experts.gate_up_proj"],
+                            "w2_weight": state["experts.down_proj"]}, assign=True)
+    blocks["static loop"] = static.eval()
+    return blocks
+
+
+def variants(blocks: dict, source: str) -> dict:
+    inductor = lambda m: torch.compile(m, backend="inductor")  # noqa: E731
+    return {
+        "eager loop": blocks["eager loop"],
+        "grouped_mm+inductor": inductor(blocks["grouped_mm"]),
+        "batched_mm+inductor": inductor(blocks["batched_mm"]),
+        "static loop+inductor": inductor(blocks["static loop"]),
+        REWRITTEN: torch.compile(blocks[source], backend=moe_passes.hpu_moe,
+                                 options={"inner": "inductor", "target": "portable"}),
+    }
+
+
+def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float) -> list[dict]:
+    blocks = build(name, sizes)
+    source = None
+    with torch.no_grad():  # the first original form the installed transformers lets hpu_moe fuse
+        x = torch.randn(1, 16, sizes["hidden"], device=DEVICE, dtype=torch.bfloat16)
+        for form in ("grouped_mm", "batched_mm", "static loop"):
+            torch._dynamo.reset()
+            report = moe_passes.explain(blocks[form], x, options={"inner": "eager", "target": "portable"})
+            print(f"{name} {form}: hpu_moe fused {len(report.fused)} layer(s) "
+                  + "; ".join(f"{f.form} -> {f.overload}" for f in report.fused)
+                  + "; ".join(f"declined {d.form}: {d.reason}" for d in report.declined), flush=True)
+            if len(report.fused) == 1 and source is None:
+                source = form
+    assert source is not None, "hpu_moe fused none of the forms"
+    torch._dynamo.reset()
+    fns = variants(blocks, source)
+    rows = []
+    for tokens in tokens_list:
+        g = torch.Generator(device=DEVICE).manual_seed(tokens)
+        inputs = [(torch.randn(1, tokens, sizes["hidden"], device=DEVICE, dtype=torch.bfloat16, generator=g),)
+                  for _ in range(ROTATE)]
+        gate = blocks["grouped_mm"].gate.weight.float()
+        with torch.no_grad():  # the routing each input gets (softmax keeps the order of the logits)
+            ids = [torch.topk(x.reshape(tokens, -1).float() @ gate.T, sizes["top_k"], -1).indices for (x,) in inputs]
+        row = {"model": name, "tokens": tokens, "hpu_moe source": source,
+               "limit_ms": limit_ms(ids, sizes["hidden"], sizes["intermediate"], sizes["top_k"], ceilings)}
+        with torch.no_grad():
+            expected = blocks["eager loop"](*inputs[0]).float()
+            for form, fn in fns.items():
+                gathered = tokens * sizes["top_k"] * 3 * sizes["hidden"] * sizes["intermediate"] * 2
+                if form.startswith("batched_mm") and gathered > GATHER_LIMIT_BYTES:
+                    row[form] = None
+                    row[form + " note"] = f"not run: gathers {gathered / 2**30:.0f} GiB of weights"
+                    continue
+                if time.time() > deadline:
+                    row[form] = None
+                    row[form + " note"] = "not run: time budget spent"
+                    continue
+                start = time.perf_counter()
+                out = fn(*inputs[0]).float()
+                first = time.perf_counter() - start
+                row[form + " error"] = ((out - expected).norm() / expected.norm()).item()
+                reps = 20 if first < 0.5 else 5
+                row[form] = time_ms(fn, inputs, reps=reps, warmup=2)
+        originals = [row[f] for f in ORIGINAL if row.get(f)]
+        row["best original"] = min(originals)
+        row["best original form"] = min((row[f], f) for f in ORIGINAL if row.get(f))[1]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, bfloat16, "
+             f"{result['date']}; HBM {result['ceilings']['hbm_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
+             f"{result['ceilings']['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s measured in the same run.", "",
+             "| model | T | limit ms | " + " | ".join(f"{f} ms" for f in ORIGINAL) + f" | {REWRITTEN} ms | "
+             "best original / hpu_moe | hpu_moe / limit |",
+             "|---|---|---|" + "---|" * len(ORIGINAL) + "---|---|---|"]
+    for r in result["rows"]:
+        cells = [f"{r[f]:.3f}" if r.get(f) else "n/a" for f in ORIGINAL]
+        fused = r.get(REWRITTEN)
+        ratio = f"{r['best original'] / fused:.2f}x" if fused else "n/a"
+        gap = f"{fused / r['limit_ms']:.2f}x" if fused else "n/a"
+        fused_cell = f"{fused:.3f}" if fused else "n/a"
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['limit_ms']:.3f} | " + " | ".join(cells)
+                     + f" | {fused_cell} | {ratio} | {gap} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rows = [r for r in result["rows"] if r["model"] == model]
+        for form in (*ORIGINAL, REWRITTEN):
+            points = [(r["tokens"], r[form] / r["limit_ms"]) for r in rows if r.get(form)]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=form, linewidth=2.5 if form == REWRITTEN else 1)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="physical limit")
+        ax.axhline(1.3, color="grey", linestyle=":", linewidth=1, label="1.3x limit")
+        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time / physical limit", title=model)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"One MoE layer, bf16, {result['device']} ({result['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    parser.add_argument("--budget-s", type=float, default=480, help="skip variants once this many seconds passed")
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    parser.add_argument("--markdown")
+    args = parser.parse_args(argv)
+    import transformers
+
+    deadline = time.time() + args.budget_s
+    torch._dynamo.config.cache_size_limit = 64
+    ceilings = measure_ceilings()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "date": datetime.date.today().isoformat(),
+              "command": "python tools/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "ceilings": ceilings, "rows": []}
+    print(f"{result['device']}: HBM {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    for name in args.models:
+        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline)
+    text = markdown(result)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

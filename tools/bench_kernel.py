@@ -1,0 +1,292 @@
+"""The fused MoE Triton kernel alone: correctness against float32 references, then time against the limit.
+
+For one MoE layer at Mixtral-8x7B and Qwen3-30B-A3B sizes (bfloat16, random routing that changes
+every call, so weights come from HBM and not from L2), prints the kernel's time, the portable op's
+grouped-matmul path and the physical limit max(routed weight bytes / HBM bandwidth, FLOPs / matmul
+throughput), both ceilings measured at the start of the same run. `--sweep` times every tile
+configuration of a small grid at each size (the data behind `moe_passes/kernels/config.py`).
+
+    python tools/bench_kernel.py                # check + time
+    python tools/bench_kernel.py --sweep --tokens 1 16 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from moe_passes import fused_op, reference  # noqa: E402
+from moe_passes.kernels import MoEConfig, TileConfig, choose_config, triton_kernels  # noqa: E402
+from moe_passes.kernels.align import check_alignment  # noqa: E402
+
+MODELS = {
+    "mixtral-8x7b": dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
+    "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
+}
+TOKENS = (1, 16, 128, 1024, 8192)
+ROTATE = 8  # routing tables cycled through while timing
+
+
+def time_ms(fn, inputs, reps: int = 30, warmup: int = 3) -> float:
+    """Median of CUDA-event times of `fn(*inputs[i % len])`, one event pair per call."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(*inputs[i % len(inputs)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def measure_ceilings() -> dict:
+    """HBM bandwidth (a 4 GiB device copy, bytes read + written) and bf16 matmul throughput (8192^3)."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(dst.copy_, [(src,)], reps=20)
+    bandwidth = 2 * src.numel() * 4 / (copy_ms * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: a @ b, [()], reps=20)
+    return {"hbm_bytes_per_s": bandwidth, "matmul_flop_per_s": 2 * 8192**3 / (mm_ms * 1e-3)}
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(tokens, experts, device="cuda", generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    return ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def limit_ms(ids_list, hidden: int, inter: int, top_k: int, ceilings: dict, itemsize: int = 2) -> float:
+    """max(routed weight bytes / bandwidth, FLOPs / throughput), averaged over the rotated routings."""
+    limits = []
+    for ids in ids_list:
+        routed = torch.unique(ids).numel()
+        weight_bytes = routed * 3 * hidden * inter * itemsize
+        flops = 2 * ids.numel() * 3 * hidden * inter
+        limits.append(
+            max(weight_bytes / ceilings["hbm_bytes_per_s"], flops / ceilings["matmul_flop_per_s"]) * 1e3
+        )
+    return statistics.mean(limits)
+
+
+def make_layer(hidden, intermediate, experts, seed=0, dtype=torch.bfloat16, permuted=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape12, shape3 = ((experts, 2 * intermediate, hidden), (experts, hidden, intermediate))
+    if not permuted:
+        shape12, shape3 = (experts, hidden, 2 * intermediate), (experts, intermediate, hidden)
+    w12 = (torch.randn(shape12, device="cuda", generator=g) * hidden**-0.5).to(dtype)
+    w3 = (torch.randn(shape3, device="cuda", generator=g) * intermediate**-0.5).to(dtype)
+    return w12, w3
+
+
+def rel_error(actual, expected) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def check(args) -> None:
+    """Kernel == float32 reference on small shapes (every branch) and on the two models' shapes."""
+    kernels = triton_kernels()
+    op = torch.ops.moe_passes.mixture_of_experts
+    worst = 0.0
+    cases = []
+    for permuted, activation, dtype in itertools.product((True, False), ("silu", "gelu", "relu"), (torch.bfloat16, torch.float16)):
+        for tokens, hidden, inter, experts, top_k, emin, held in (
+            (1, 64, 32, 8, 2, 0, 8), (37, 96, 80, 16, 3, 0, 16), (300, 128, 64, 16, 4, 4, 8), (5, 64, 48, 4, 4, 0, 4)
+        ):
+            cases.append((permuted, activation, dtype, tokens, hidden, inter, experts, top_k, emin, held))
+    for permuted, activation, dtype, tokens, hidden, inter, experts, top_k, emin, held in cases:
+        g = torch.Generator(device="cuda").manual_seed(tokens * 7 + held)
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype)
+        ids, w = routing(tokens, experts, top_k, tokens + experts, dtype)
+        w12, w3 = make_layer(hidden, inter, held, seed=tokens, dtype=dtype, permuted=permuted)
+        l12, l3 = list(w12.unbind(0)), list(w3.unbind(0))
+        args_ = (x, ids, w, l12, l3, permuted, activation, emin, emin + held - 1)
+        for config_m in (16, 64):
+            table_layout = kernels.align(ids.contiguous(), emin, held, config_m)
+            check_alignment(ids, emin, held, config_m, *table_layout)
+        out = op.fused_weights(*args_)
+        expected = reference.mixture_of_experts_fused_weights_reference(*args_)
+        err = rel_error(out, expected)
+        assert torch.isfinite(out).all() and err < 1e-2, (permuted, activation, dtype, tokens, err)
+        worst = max(worst, err)
+        inter_ = inter
+        w1 = [t[:inter_] if permuted else t[:, :inter_] for t in l12]
+        w2 = [t[inter_:] if permuted else t[:, inter_:] for t in l12]
+        # .default with separate stacks
+        w1s = torch.stack(w1).contiguous().unbind(0)
+        w2s = torch.stack(w2).contiguous().unbind(0)
+        out = op.default(x, ids, w, list(w1s), list(w2s), l3, permuted, activation, emin, emin + held - 1)
+        expected = reference.mixture_of_experts_reference(x, ids, w, w1, w2, l3, permuted, activation, emin, emin + held - 1)
+        err = rel_error(out, expected)
+        assert err < 1e-2, ("default", permuted, activation, dtype, tokens, err)
+        worst = max(worst, err)
+    print(f"kernel check: {len(cases)} small cases x 2 overloads agree with the reference (worst rel err {worst:.2e})")
+    for name, sizes in MODELS.items():
+        w12, w3 = make_layer(sizes["hidden"], sizes["intermediate"], sizes["experts"])
+        for tokens in (1, 128):
+            x = torch.randn(tokens, sizes["hidden"], device="cuda", dtype=torch.bfloat16)
+            ids, w = routing(tokens, sizes["experts"], sizes["top_k"], tokens)
+            l12, l3 = list(w12.unbind(0)), list(w3.unbind(0))
+            out = op.fused_weights(x, ids, w, l12, l3, True, "silu", 0, sizes["experts"] - 1)
+            expected = fused_op._combine(
+                x.float(), ids, w.float(), 0, sizes["experts"],
+                fused_op._swiglu_expert(lambda i, h: torch.nn.functional.linear(h, w12[i].float()).chunk(2, -1),  # noqa: B023 (called at once)
+                                        [t.float() for t in l3], torch.nn.functional.silu, True),
+            )
+            err = rel_error(out, expected)
+            assert err < 1e-2, (name, tokens, err)
+            print(f"kernel check {name} T={tokens}: rel err {err:.2e}")
+
+
+def grouped_path(x, ids, w, l12, l3, sizes):
+    return fused_op._grouped_fused(x, ids, w, l12, l3, True, torch.nn.functional.silu, 0, sizes["experts"])
+
+
+def bench(args, ceilings) -> list[dict]:
+    kernels = triton_kernels()
+    op = torch.ops.moe_passes.mixture_of_experts
+    rows = []
+    for name in args.models:
+        sizes = MODELS[name]
+        w12, w3 = make_layer(sizes["hidden"], sizes["intermediate"], sizes["experts"])
+        l12, l3 = list(w12.unbind(0)), list(w3.unbind(0))
+        inter = sizes["intermediate"]
+        for tokens in args.tokens:
+            x = torch.randn(tokens, sizes["hidden"], device="cuda", dtype=torch.bfloat16)
+            routings = [routing(tokens, sizes["experts"], sizes["top_k"], seed) for seed in range(ROTATE)]
+            inputs = [(x, ids, w) for ids, w in routings]
+            limit = limit_ms([ids for ids, _ in routings], sizes["hidden"], inter, sizes["top_k"], ceilings)
+            row = {"model": name, "tokens": tokens, "limit_ms": limit}
+            row["op_ms"] = time_ms(lambda x, i, w: op.fused_weights(x, i, w, l12, l3, True, "silu", 0, sizes["experts"] - 1), inputs)  # noqa: B023 (called at once)
+            row["grouped_ms"] = time_ms(lambda x, i, w: grouped_path(x, i, w, l12, l3, sizes), inputs)  # noqa: B023 (called at once)
+            gate, up = w12[:, :inter], w12[:, inter:]
+            row["kernel_ms"] = time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, w3, True, "silu", 0), inputs)  # noqa: B023 (called at once)
+            if args.sweep and tokens in args.sweep_tokens:
+                best = sweep(kernels, inputs, gate, up, w3, tokens * sizes["top_k"], sizes["experts"])
+                row["sweep_best_ms"], row["sweep_best"] = best
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+GATE_UP_TILES = ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4))
+DOWN_TILES = ((64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 4))
+
+
+def sweep(kernels, inputs, gate, up, down, pairs, experts):
+    """Best (ms, config): per block_m, the gate/up tiles with the default down tiles, then the down tiles."""
+    default = choose_config(pairs, experts)
+    m = pairs / experts
+    block_ms = [16, 32] if m <= 16 else [16, 32, 64] if m <= 64 else [64, 128] if m <= 512 else [128]
+
+    def timed(cfg):
+        try:
+            return time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, down, True, "silu", 0, cfg), inputs, reps=10)
+        except Exception as error:  # out of shared memory and the like
+            print(f"  {cfg}: {type(error).__name__}")
+            return float("inf")
+
+    best = (float("inf"), None)
+    for bm in block_ms:
+        tile = lambda t, g, bm=bm: TileConfig(bm, t[0], t[1], g, t[2], t[3])  # noqa: E731
+        down_tile = TileConfig(bm, default.down.block_n, default.down.block_k, default.down.group_m,
+                               default.down.num_warps, default.down.num_stages)
+        results = [(timed(MoEConfig(tile(t, default.gate_up.group_m), down_tile)), t) for t in GATE_UP_TILES]
+        best_gate_up = tile(min(results)[1], default.gate_up.group_m)
+        for t in DOWN_TILES:
+            cfg = MoEConfig(best_gate_up, tile(t, default.down.group_m))
+            best = min(best, (timed(cfg), repr(cfg)), key=lambda r: r[0])
+    return best
+
+
+def profile(model: str, tokens: int) -> None:
+    """Where the time goes at one size: CPU issue time of each layer of the call, GPU time per kernel."""
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sizes = MODELS[model]
+    kernels = triton_kernels()
+    op = torch.ops.moe_passes.mixture_of_experts
+    w12, w3 = make_layer(sizes["hidden"], sizes["intermediate"], sizes["experts"])
+    l12, l3 = list(w12.unbind(0)), list(w3.unbind(0))
+    inter, emax = sizes["intermediate"], sizes["experts"] - 1
+    gate, up = w12[:, :inter], w12[:, inter:]
+    x = torch.randn(tokens, sizes["hidden"], device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(tokens, sizes["experts"], sizes["top_k"], 0)
+    steps = {
+        "op.fused_weights": lambda: op.fused_weights(x, ids, w, l12, l3, True, "silu", 0, emax),
+        "python impl": lambda: fused_op.mixture_of_experts_fused_weights(x, ids, w, l12, l3, True, "silu", 0, emax),
+        "kernels.fused_moe": lambda: kernels.fused_moe(x, ids, w, gate, up, w3, True, "silu", 0),
+        "align": lambda: kernels.align(ids, 0, sizes["experts"], 16),
+        "_stacked_view x2": lambda: (fused_op._stacked_view(l12), fused_op._stacked_view(l3)),
+        "_check_fused": lambda: fused_op._check_fused(x, l12, l3, True, emax + 1),
+        "unbind x2": lambda: (w12.unbind(0), w3.unbind(0)),
+    }
+    for name, fn in steps.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn()
+        cpu = (time.perf_counter() - start) / 50 * 1e6
+        torch.cuda.synchronize()
+        print(f"  CPU issue {name:20s} {cpu:8.1f} us")
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            steps["kernels.fused_moe"]()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-tokens", nargs="*", type=int, default=[1024, 8192])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", nargs=2, action="append", metavar=("MODEL", "T"), default=[])
+    args = parser.parse_args(argv)
+    for model, tokens in args.profile:
+        print(f"profile {model} T={tokens}")
+        profile(model, int(tokens))
+    if args.profile:
+        return 0
+    import triton
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if not args.no_check:
+        check(args)
+    ceilings = measure_ceilings()
+    print(f"ceilings: HBM {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    rows = bench(args, ceilings)
+    print(f"{'model':14s} {'T':>5s} {'limit':>8s} {'kernel':>8s} {'op':>8s} {'grouped':>8s} {'kern/lim':>8s}")
+    for r in rows:
+        print(f"{r['model']:14s} {r['tokens']:5d} {r['limit_ms']:8.3f} {r['kernel_ms']:8.3f} {r['op_ms']:8.3f} "
+              f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if args.sweep else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
