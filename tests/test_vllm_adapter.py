@@ -138,6 +138,15 @@ def test_install_is_recorded_and_done_once(adapted):
     )
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_adapted_classes_are_still_recognised(adapted, release):
+    """What install_if_loaded (or a report) finds after installing is what it found before."""
+    runner_cls, make_experts = adapted[release]
+    layer_cls = type(make_experts("experts", {}))
+    again = vllm_adapter.detect_api_shape(runner_cls, None if layer_cls is runner_cls else layer_cls)
+    assert again.supported and again.convention.entry in vars(runner_cls)
+
+
 def test_the_recorded_layer_stays_out_of_the_module_tree(adapted):
     _, make_experts = adapted["0.20-0.22"]
     layer = make_experts("experts", {})

@@ -94,6 +94,7 @@ class ApiShape:
 
 
 def _code_names(function) -> set[str]:
+    function = getattr(function, "__moe_passes_original__", function)  # vLLM's, if this adapter wrapped it
     code = getattr(function, "__code__", None)
     return set(code.co_names) if code is not None else set()
 
@@ -112,7 +113,7 @@ def detect_api_shape(cls: type, owner_cls: type | None = None) -> ApiShape:
     """
     forward = getattr(cls, "forward", None)
     original = getattr(forward, "__moe_passes_original__", forward)
-    forward_names = _code_names(original)
+    forward_names = _code_names(forward)
     impl_name = next((name for name in IMPLS if callable(getattr(cls, name, None))), None)
     impl_parameters = _parameters(getattr(cls, impl_name)) if impl_name else []
     entry = next((name for name in ENTRIES if name in forward_names), None)
