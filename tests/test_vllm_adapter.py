@@ -114,6 +114,9 @@ def test_replaced_and_unknown_forwards_are_declined():
     assert replaced.name == "forward replaced" and "replaced_forward" in replaced.reason
     unknown = type("Experts", (nn.Module,), {"forward": lambda self, x: x, "__module__": __name__})
     assert vllm_adapter.detect_api_shape(unknown).name == "unknown"
+    method_entry = type("MoERunner", (base,), {"_forward_entry": lambda self, *args: None})
+    declined = vllm_adapter.detect_api_shape(method_entry)
+    assert not declined.supported and "defined on the class" in declined.reason
 
 
 @pytest.mark.parametrize("release", ["0.10-0.16", "0.20-0.22 without FusedMoE"])

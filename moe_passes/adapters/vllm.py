@@ -123,6 +123,10 @@ def detect_api_shape(cls: type, owner_cls: type | None = None) -> ApiShape:
             "forward_native calls the op by its global name and its surrounding code differs per "
             "release; it is not re-implemented here",
         )
+    if entry is not None and _class_attribute(cls, entry) is not None:
+        return ApiShape(
+            "runner", f"{cls.__qualname__}.{entry} is defined on the class, not the op vLLM sets per instance"
+        )
     if entry is not None and ENCODE_NAME in forward_names and callable(getattr(cls, ENCODE_NAME, None)):
         if impl_parameters[:1] == ["hidden_states"]:
             return ApiShape(RUNNER_MODULE, convention=Convention(entry, impl_name, len(impl_parameters)))
@@ -148,6 +152,15 @@ def detect_api_shape(cls: type, owner_cls: type | None = None) -> ApiShape:
     return ApiShape(
         "unknown", f"{cls.__qualname__}.forward calls neither {' nor '.join(ENTRIES)} as vLLM does"
     )
+
+
+def _class_attribute(cls: type, name: str):
+    """`name` as defined on `cls` or a base (not on instances), other than this adapter's property."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            value = vars(klass)[name]
+            return None if getattr(getattr(value, "fget", None), "__moe_passes_adapter__", None) else value
+    return None
 
 
 def runs_alone(runner) -> bool:
@@ -232,7 +245,11 @@ def install_runner_adapter(cls: type, convention: Convention, owner_cls: type | 
         if by_reference(runner):
             return functools.partial(op_body_by_reference, runner)
         value = getattr(runner, stored, None)
-        return runner.__dict__[entry] if value is None else value  # the dict: set before the adapter
+        if value is None:
+            value = runner.__dict__.get(entry)  # set before the adapter was installed
+        if value is None:
+            raise AttributeError(f"{type(runner).__name__!r} object has no attribute {entry!r}")
+        return value
 
     def set_entry(runner, value):
         runner.__dict__[stored] = value
@@ -248,6 +265,7 @@ def install_runner_adapter(cls: type, convention: Convention, owner_cls: type | 
         _record_owner_after(cls, lambda runner, bound: (runner, bound.arguments.get("layer")))
     elif owner == "layer_init":
         _record_owner_after(owner_cls, lambda layer, bound: (getattr(layer, "runner", None), layer))
+    get_entry.__moe_passes_adapter__ = NAME
     setattr(cls, entry, property(get_entry, set_entry, doc="vLLM's op; its body by reference under hpu_moe"))
     setattr(cls, ENCODE_NAME, encode_layer_name)
     record_adapted(cls, NAME)
