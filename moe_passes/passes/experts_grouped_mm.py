@@ -167,6 +167,7 @@ def _inverse_of(inverse: Node) -> Node | None:
     """perm when `inverse` is index_put(empty_like(perm), [perm], arange(S)) (or scatter of arange)."""
     if is_call(inverse, aten.index_put.default) and len(inverse.args[1]) == 1:
         base, (perm,), values = inverse.args[:3]
+        values = strip_shape_ops(values)  # one routed slot: arange(1) is viewed as a scalar
         if is_call(values, aten.arange.default, aten.arange.start) and _is_like(base, perm):
             return perm
     if is_call(inverse, aten.argsort.default, aten.argsort.stable):
