@@ -84,8 +84,11 @@ def test_routing_variants_are_fused(name, routing, router_fp32):
 @pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("num_experts, top_k", [(2, 1), (8, 8), (16, 3)])
 def test_expert_counts(name, num_experts, top_k):
+    held = num_experts // getattr(FORMS[name], "WORLD_SIZE", 1)  # expert parallel: one rank's share
+    if held < 2:
+        pytest.skip("a rank holding one expert runs a plain MLP, not an expert loop")
     model, inputs, report, output, recorder = run_form(name, num_experts=num_experts, top_k=top_k)
-    assert [f.num_experts for f in report.fused] == [num_experts] * FORMS[name].EXPECTED.fused, str(report)
+    assert [f.num_experts for f in report.fused] == [held] * FORMS[name].EXPECTED.fused, str(report)
     assert [f.top_k for f in report.fused] == [top_k] * FORMS[name].EXPECTED.fused
     assert_close_for_dtype(output, eager_output(model, inputs))
 

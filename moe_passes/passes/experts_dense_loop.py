@@ -45,6 +45,7 @@ class ExpertTerm:
     # Sparse loops (experts_sparse_loop.py): the token indices this expert gathers its rows from and
     # adds its output back to. None for a dense term, which covers every token.
     rows: Node | None = None
+    rows_overwrite: bool = False  # rows are written (out[tok] += y), not added: they must not repeat
 
     def outputs(self) -> list[Node]:
         """The nodes whose values decide which tokens this expert serves, and with which weight."""
@@ -223,7 +224,7 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
     assignment = _expert_ids(terms)
     if isinstance(assignment, str):
         return no(assignment)
-    ids, weights, order = assignment
+    ids, weights, order, first_expert = assignment
     ordered = [terms[i] for i in order]
 
     gate_up = _role(ordered, "gate_up")
@@ -240,6 +241,7 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
         num_experts=len(terms),
         top_k=const_int(shape(ids)[-1]),
         activation=terms[0].activation,
+        experts_min=first_expert,
         gate_up=gate_up,
         gate=gate,
         up=up,
@@ -318,7 +320,7 @@ def _is_mask_op(node: Node) -> bool:
 
 
 def _expert_ids(terms: list[ExpertTerm]):
-    """(ids, weights, order) with order[e] = index of the term of expert e; or a decline reason."""
+    """(ids, weights, order, first) with order[i] = index of the term of expert first + i; or a reason."""
     frontier, slices = _frontier(terms)
     tensors = {n for n in frontier if isinstance(n.meta.get("val"), torch.Tensor)}
     padded = [n for n in tensors if is_call(strip_casts(n), aten.scatter.src, aten.scatter.value)]
@@ -355,13 +357,17 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     rows = env[term.rows]
     if rows.dim() != 1 or rows.dtype.is_floating_point or bool(((rows < 0) | (rows >= tokens)).any()):
         return None
+    if term.rows_overwrite and rows.unique().numel() != rows.numel():
+        return None
     per_row = _token_axis_values(env[term.coefficient], (rows.shape[0], int(width)), rows.shape[0])
     if per_row is None:
         return None
     return torch.zeros(tokens, dtype=per_row.dtype).index_add_(0, rows, per_row)
 
 
-def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, terms) -> list[int] | str:
+def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, terms):
+    """(order, first expert) of the terms, or a reason; the loop may hold a contiguous range of the
+    router's experts (expert parallelism: this rank's experts; the others contribute zero here)."""
     order: dict[int, int] = {}
     for index, term in enumerate(terms):
         matches = None
@@ -377,9 +383,10 @@ def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, ter
         if expert in order:
             return f"two experts in the loop take the routing weight of expert {expert}"
         order[expert] = index
-    if sorted(order) != list(range(len(terms))):
-        return "the loop's experts are not experts 0..E-1 of the routing"
-    return [order[e] for e in range(len(terms))]
+    first = min(order)
+    if sorted(order) != list(range(first, first + len(terms))):
+        return "the loop's experts are not a contiguous range of the routing's experts"
+    return [order[e] for e in range(first, first + len(terms))], first
 
 
 def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
@@ -394,7 +401,7 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     columns = probe.column_probes(tokens, width, dtype(padded))
     envs = [[probe.evaluate(nodes, {padded: table}) for table in columns] for nodes in slices]
     order = _assign(columns, envs, tokens, width, terms)
-    return order if isinstance(order, str) else (strip_shape_ops(ids), strip_shape_ops(weights), order)
+    return order if isinstance(order, str) else (strip_shape_ops(ids), strip_shape_ops(weights), *order)
 
 
 def _assign_from_routing(tensors: set[Node], terms, slices):
@@ -417,7 +424,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices):
         [probe.evaluate(nodes, {ids: i.to(dtype(ids)), weights: w}) for i, w in probes] for nodes in slices
     ]
     order = _assign(columns, envs, tokens, width, terms)
-    return order if isinstance(order, str) else (ids, weights, order)
+    return order if isinstance(order, str) else (ids, weights, *order)
 
 
 def _routing_width(ids: Node) -> int | None:

@@ -40,19 +40,40 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
     return results
 
 
+def link_parts(node: Node) -> tuple[Node, object, object, object, bool] | None:
+    """(accumulator before, dim, token rows, expert output, overwrites) of one accumulation step.
+
+    `out.index_add_(0, tok, y)`; `out.index_put_((tok,), y, accumulate=True)`; or DeepSeek-V3's
+    `out[tok] += y`, functionalized as index_put(out, [tok], out[tok] + y), which overwrites rows and
+    equals an index_add only when `tok` has no repeated rows (checked on the probes).
+    """
+    if is_call(node, aten.index_add.default):
+        return node.args[0], node.args[1], node.args[2], node.args[3], False
+    if not is_call(node, aten.index_put.default) or len(node.args[1]) != 1:
+        return None
+    base, (rows,), values = node.args[:3]
+    if len(node.args) > 3 and node.args[3]:
+        return base, 0, rows, values, False
+    if is_call(values, aten.add.Tensor) and len(values.args) == 2:
+        for old, new in (values.args, values.args[::-1]):
+            if is_call(old, aten.index.Tensor) and old.args[0] is base and list(old.args[1]) == [rows]:
+                return base, 0, rows, new, True
+    return None
+
+
 def _is_chain_end(node: Node) -> bool:
-    return is_call(node, aten.index_add.default) and not any(
-        is_call(user, aten.index_add.default) and user.args[0] is node for user in node.users
+    return link_parts(node) is not None and not any(
+        (parts := link_parts(user)) is not None and parts[0] is node for user in node.users
     )
 
 
 def _chain(end: Node) -> list[Node] | None:
-    """The index_adds accumulated into `end`, first to last, when the accumulator starts at zero."""
+    """The accumulation steps into `end`, first to last, when the accumulator starts at zero."""
     links = []
     node = end
-    while is_call(node, aten.index_add.default):
+    while link_parts(node) is not None:
         links.append(node)
-        node = node.args[0]
+        node = link_parts(node)[0]
     return links[::-1] if is_zero_init(node) else None
 
 
@@ -75,7 +96,7 @@ def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
 
     terms: list[ExpertTerm] = []
     for link in links:
-        dim, index, source = link.args[1], link.args[2], link.args[3]
+        _, dim, index, source, overwrites = link_parts(link)
         if dim != 0 or not isinstance(index, Node) or not isinstance(source, Node):
             return no("expert outputs are not added back along the token dimension")
         term = read_term(source)
@@ -90,8 +111,10 @@ def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
         hidden = _gather_source(rows_value, index)
         if hidden is None:
             return no("an expert's input rows are not the hidden states at the tokens it adds back to")
-        terms.append(dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index))
-    base = strip_casts(links[0].args[0])
+        terms.append(
+            dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index, rows_overwrite=overwrites)
+        )
+    base = strip_casts(link_parts(links[0])[0])
     hidden_shape, out_shape = shape(terms[0].hidden), shape(base)
     if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
         return no("the accumulator is not a [T, H] tensor")

@@ -73,6 +73,13 @@ class ExpertsMatch:
     down_bias: ExpertWeights | None = None
     alpha: float | None = None  # clamped swiglu parameters of bias_fused_weights
     limit: float | None = None
+    # Global id of the first expert held: a loop over a contiguous range of the router's experts (one
+    # rank's share under expert parallelism) holds experts_min .. experts_min + num_experts - 1.
+    experts_min: int = 0
+
+    @property
+    def experts_max(self) -> int:
+        return self.experts_min + self.num_experts - 1
 
     @property
     def overload(self) -> str:

@@ -35,6 +35,10 @@ FINDERS = (
     experts_dense_bmm.find,
 )
 
+# Forms whose finders verify which expert of the router each term is (probes), so that a region may
+# hold a contiguous range of the router's experts (expert parallelism).
+PARTIAL_RANGE_FORMS = (experts_dense_loop.FORM, experts_sparse_loop.FORM)
+
 # Runtime checks dynamo records on data-dependent sizes (e.g. the row counts `nonzero` yields in a
 # sparse expert loop). They have no users, so they keep the values they check alive after a rewrite.
 ASSERTION_OPS = (
@@ -99,7 +103,14 @@ def check(match: ExpertsMatch) -> str | None:
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
     info = routing.describe(match.ids, match.weights)
     if info.num_experts is not None and info.num_experts != match.num_experts:
-        return f"the router scores {info.num_experts} experts but the region holds {match.num_experts}"
+        # Loops were checked expert by expert against the router's width (probes): they may hold a
+        # contiguous part of its experts. The GEMM forms index their stacks with the ids themselves.
+        partial = match.form in PARTIAL_RANGE_FORMS and match.experts_max < info.num_experts
+        if not partial:
+            return (
+                f"the router scores {info.num_experts} experts but the region holds experts "
+                f"{match.experts_min}..{match.experts_max}"
+            )
     # Sizes are read through their hints (const_int): int() on a SymInt would add a guard and make
     # dynamo recompile for every new token count.
     hidden, ids = shape(match.hidden), shape(match.ids)
@@ -108,7 +119,7 @@ def check(match: ExpertsMatch) -> str | None:
         tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
     if tokens is not None and len(ids) == 2 and const_int(ids[0]) not in (None, tokens):
         return "the hidden states and the routing table hold different numbers of tokens"
-    if match.top_k > match.num_experts:
+    if match.top_k > (info.num_experts or match.num_experts):
         return "top-k exceeds the number of experts"
     return None
 

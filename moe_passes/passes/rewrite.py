@@ -96,8 +96,8 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         values.update(
             permuted_weights=permuted,
             activation=match.activation,
-            experts_min=0,
-            experts_max=match.num_experts - 1,
+            experts_min=match.experts_min,
+            experts_max=match.experts_max,
         )
         op = lowering.fused_overload(target, match.overload)
         args, kwargs = lowering.call_arguments(op, values)
