@@ -71,6 +71,22 @@ def strip_shape_ops(node: Node) -> Node:
     return node
 
 
+def slot_table(node: Node, top_k: int | None, through_casts: bool = False) -> Node | None:
+    """The [T, k] routing tensor (ids or weights) that `node`, a flat or reshaped view of it, reads.
+
+    Usually that is where the shape-only ops start (top-k's output); a router that works on [B, S, k]
+    and reshapes to (-1, k) last (ZAYA) has its [T, k] form part-way up the chain.
+    """
+    chain = [node]
+    while is_call(chain[-1], *SHAPE_ONLY_OPS) or (through_casts and is_cast(chain[-1])):
+        chain.append(chain[-1].args[0])
+    for candidate in (chain[-1], *chain):
+        size = shape(candidate)
+        if size is not None and len(size) == 2 and top_k is not None and const_int(size[1]) == top_k:
+            return candidate
+    return None
+
+
 def strip_casts(node: Node) -> Node:
     """Walk up through dtype conversions and shape-only ops."""
     while True:

@@ -286,3 +286,17 @@ def test_eager_experts_loop_reports_its_graph_breaks_and_the_fix():
     assert len(report.advice) == 1 and "experts_implementation='grouped_mm'" in report.advice[0]
     assert "advice:" in str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_zaya_router_that_reshapes_to_token_slots_last_is_fused(implementation):
+    """ZAYA routes on [B, S, E] and reshapes ids and weights to (-1, k) only when it returns them (and
+    masks its skip expert to id 0 with weight 0): the [T, k] tables sit part-way up a view chain."""
+    from tools import coverage
+
+    model = coverage.tiny_model("zaya", implementation)
+    inputs = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count, report.declined) == (1, 0, []), str(report)
+    assert len(report.fused) == len(recorder.fused_nodes()) == coverage.moe_layer_count(model)
+    assert_close_for_dtype(output, eager_output(model, inputs))

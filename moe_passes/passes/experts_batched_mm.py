@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_shape_ops, within
+from ..fx_utils import const_int, is_call, is_cast, shape, slot_table, strip_casts, strip_shape_ops, within
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
@@ -125,9 +125,9 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     hidden_states = _repeated_rows(_first_expand(rows), top_k)
     if hidden_states is None:
         return no("the batched rows are not the tokens repeated k times (repeat_interleave)")
-    ids = strip_shape_ops(down_ids)
-    weights = strip_shape_ops(strip_casts(slot_weights))
-    if shape(ids) is None or len(shape(ids)) != 2 or shape(weights) != shape(ids):
+    ids = slot_table(down_ids, top_k)
+    weights = slot_table(slot_weights, top_k, through_casts=True)
+    if ids is None or weights is None or shape(weights) != shape(ids):
         return no("routing ids and weights are not [T, k] tensors of the same shape")
     num_experts = const_int(shape(gate_up_w)[0])
     if const_int(shape(down_w)[0]) != num_experts:

@@ -15,7 +15,17 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_cast, is_getitem, shape, strip_casts, strip_shape_ops, within
+from ..fx_utils import (
+    const_int,
+    is_call,
+    is_cast,
+    is_getitem,
+    shape,
+    slot_table,
+    strip_casts,
+    strip_shape_ops,
+    within,
+)
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
@@ -115,8 +125,8 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     hidden_states = _rows_source(rows, perm, top_k)
     if hidden_states is None:
         return no("the grouped rows are not the tokens repeated per slot (x[perm // k])")
-    ids, weights = strip_shape_ops(ids_flat), strip_shape_ops(flat_weights)
-    if shape(ids) is None or len(shape(ids)) != 2 or shape(weights) != shape(ids):
+    ids, weights = slot_table(ids_flat, top_k), slot_table(flat_weights, top_k)
+    if ids is None or weights is None or shape(weights) != shape(ids):
         return no("routing ids and weights are not [T, k] tensors of the same shape")
 
     gate_up, gate_up_out_in = _stacked_weight(gate_up_w)
