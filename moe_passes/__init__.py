@@ -8,11 +8,21 @@ elsewhere. `moe_passes.explain(model, *args)` says what happened.
 from . import fused_op  # noqa: F401  (registers torch.ops.moe_passes.mixture_of_experts)
 from .adapters import adapt, install_discovery_hook
 from .backend import hpu_moe
-from .explain import explain
+from .explain import explain, explaining
 from .options import Options
 from .report import Declined, Fused, Report
 
-__all__ = ["Declined", "Fused", "Options", "Report", "adapt", "explain", "hpu_moe", "install_discovery_hook"]
+__all__ = [
+    "Declined",
+    "Fused",
+    "Options",
+    "Report",
+    "adapt",
+    "explain",
+    "explaining",
+    "hpu_moe",
+    "install_discovery_hook",
+]
 __version__ = "0.1.0"
 
 # Importing the package is what looking up backend="hpu_moe" does: adapt the framework MoE layers

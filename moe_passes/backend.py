@@ -9,7 +9,10 @@ the user's compile never breaks because of this package.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import time
 import warnings
 
 import torch
@@ -20,8 +23,9 @@ from .adapters import install_discovery_hook
 from .ir import to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes.pipeline import fuse_moe
-from .report import Declined, GraphRecord, next_graph_index, publish
-from .verify import verify_rewrite
+from .printer import format_graph
+from .report import Declined, GraphRecord, collecting_now, next_graph_index, publish
+from .verify import compare_rewrite
 
 log = logging.getLogger(__name__)
 
@@ -56,36 +60,75 @@ def rewrite_graph(
     gm: torch.fx.GraphModule, example_inputs, options: Options, target: str, record: GraphRecord
 ):
     """The canonical graph with every fusable MoE layer rewritten, or None to keep `gm` as captured."""
-    canonical = to_canonical_aten(gm, example_inputs)
-    fused, declined = fuse_moe(canonical, target, record.index, strict=options.strict)
+    detail = _keep_graph_texts()
+    with _timed(record, "canonicalize"):
+        canonical = to_canonical_aten(gm, example_inputs)
+    if detail:
+        record.captured = format_graph(canonical)
+        _trace_artifact(f"moe_passes_graph_{record.index}_before", lambda: record.captured)
+        log.debug("graph %d before the MoE rewrite:\n%s", record.index, record.captured)
+    with _timed(record, "fuse"):
+        fused, declined = fuse_moe(canonical, target, record.index, strict=options.strict)
     record.declined.extend(declined)
     if not fused:
         return None
     if options.verify:
-        error = verify_rewrite(gm, canonical, example_inputs)
-        if error is not None:
+        with _timed(record, "verify"):
+            worst, ok = compare_rewrite(gm, canonical, example_inputs)
+        if not ok:
             record.declined.extend(
-                Declined(f.layer, f.form, f"numerical verification failed: {error}", record.index)
+                Declined(
+                    f.layer,
+                    f.form,
+                    f"numerical verification failed: max abs error {worst:.3g} exceeds the tolerance "
+                    "for the output dtype",
+                    record.index,
+                )
                 for f in fused
             )
             return None
+        fused = [dataclasses.replace(f, max_error=worst) for f in fused]
     record.fused.extend(fused)
     views_to_reshapes(canonical)
-    _trace_artifact(f"hpu_moe_rewritten_graph_{record.index}", canonical)
+    if detail:
+        record.rewritten = format_graph(canonical)
+        _trace_artifact(f"moe_passes_graph_{record.index}_after", lambda: record.rewritten)
+        log.debug("graph %d after the MoE rewrite:\n%s", record.index, record.rewritten)
     return canonical
 
 
-def _trace_artifact(name: str, gm: torch.fx.GraphModule) -> None:
-    """Leave the rewritten graph in TORCH_TRACE output for tlparse (free when tracing is off)."""
-    from .printer import format_graph
+def _keep_graph_texts() -> bool:
+    """Print graphs only for someone who reads them: explain(), TORCH_TRACE, TORCH_LOGS=+moe_passes."""
+    trace_log = getattr(getattr(torch._logging, "_internal", None), "trace_log", None)
+    return (
+        collecting_now()
+        or bool(trace_log is not None and trace_log.handlers)
+        or log.isEnabledFor(logging.DEBUG)
+    )
 
+
+@contextlib.contextmanager
+def _timed(record: GraphRecord, step: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        record.seconds[step] = record.seconds.get(step, 0.0) + time.perf_counter() - start
+
+
+def _trace_artifact(name: str, payload_fn, encoding: str = "string") -> None:
+    """Leave a pass's graph or decisions in TORCH_TRACE output for tlparse (free when tracing is off)."""
     trace = getattr(torch._logging, "trace_structured", None)
     if trace is not None:
-        trace(
-            "artifact",
-            metadata_fn=lambda: {"name": name, "encoding": "string"},
-            payload_fn=lambda: format_graph(gm),
-        )
+        trace("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
+
+
+def _compile_id() -> str | None:
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - another torch's internals: the id is only for the report
+        return None
+    return None if compile_id is None else str(compile_id)
 
 
 def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None):
@@ -94,7 +137,7 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     install_discovery_hook()  # again after a dynamo reset(), for the next frames
     target = lowering.resolve_target(opts.target)
     compiler = _inner_compiler(opts.inner)
-    record = GraphRecord(index=next_graph_index())
+    record = GraphRecord(index=next_graph_index(), compile_id=_compile_id())
     graph = gm
     if not opts.enabled:
         record.fallback = "disabled by options"
@@ -112,7 +155,12 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             record.fallback = f"internal error, graph left unrewritten: {type(error).__name__}: {error}"
             warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
             log.warning("hpu_moe fell back to the captured graph", exc_info=True)
+    if record.captured is None and _keep_graph_texts():
+        record.captured = format_graph(gm)  # not rewritten: the graph as dynamo captured it
     publish(record)
+    _trace_artifact(
+        f"moe_passes_graph_{record.index}_decisions", lambda: dataclasses.asdict(record), encoding="json"
+    )
     for f in record.fused:
         log.info(
             "fused %s (%s, %d experts, top-%d) -> %s", f.layer, f.form, f.num_experts, f.top_k, f.overload
@@ -120,9 +168,11 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     for d in record.declined:
         log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
     if graph is gm:
-        return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
+        with _timed(record, "inner compile"):
+            return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
     try:
-        return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
+        with _timed(record, "inner compile"):
+            return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
         record.fallback = (
             f"the inner backend failed on the rewritten graph, compiled the captured one instead: "
@@ -133,6 +183,7 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             for f in record.fused
         )
         record.fused.clear()
+        record.rewritten = None
         warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
         return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
 

@@ -1,8 +1,31 @@
-"""`moe_passes.explain`: compile and run once, then say what the backend did."""
+"""`moe_passes.explain`: compile and run, then say what dynamo and the backend did.
+
+Two entry points:
+
+    report = moe_passes.explain(model, x)            # compile the whole callable, run it once
+
+    with moe_passes.explaining() as session:         # any compile pattern, e.g. one compile per layer
+        layers = [session.compile(layer) for layer in model.layers]
+        for layer in layers:
+            x = layer(x)
+    report = session.report
+
+Besides the backend's own decisions (fused layers, declined candidates, graphs before and after),
+the report carries what dynamo did while the session was open: every compile, every recompile with
+the guards that failed, every graph break with the user code that led to it. Those come from torch's
+structured trace (the records `TORCH_TRACE` writes and tlparse reads: `compilation_metrics`,
+`recompile_reasons`, `dynamo_graph_break_reason`), listened to for the session's duration, so they
+need no log configuration and leave the user's logging as it was.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import logging
+import re
+import sysconfig
 
 import torch
 from torch._dynamo.utils import counters
@@ -11,12 +34,15 @@ from .adapters import adapt, install_discovery_hook
 from .backend import hpu_moe, inner_name
 from .lowering import resolve_target
 from .options import Options
-from .report import Report, collecting
+from .report import Compile, Frame, GraphBreak, GraphView, Recompile, Report, collecting
+
+log = logging.getLogger(__name__)
 
 
 def explain(model_or_fn, *args, options: dict | None = None, **kwargs) -> Report:
     """Compile `model_or_fn` with the hpu_moe backend, run it once on `args`/`kwargs` under no_grad,
-    and return a Report: graphs, graph breaks (with reasons), compiles, fused layers, declined candidates.
+    and return a Report: graphs, graph breaks (with the user stack), compiles, recompiles (with the
+    failing guards), fused layers, declined candidates.
 
     Resets dynamo's caches first so that the counts describe this call alone.
     """
@@ -27,40 +53,256 @@ def explain_and_run(model_or_fn, *args, options: dict | None = None, **kwargs):
     """`explain`, also returning the compiled call's output (for checks against the eager model)."""
     if not callable(model_or_fn):
         raise TypeError(f"explain needs a module or a function, got {type(model_or_fn).__name__}")
+    with explaining(options) as session, torch.no_grad():
+        output = session.compile(model_or_fn)(*args, **kwargs)
+    return session.report, output
+
+
+class ExplainSession:
+    """What `explaining()` yields: the backend to compile with, and the report once the block ends."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        backend = functools.partial(hpu_moe, options=options)
+        functools.update_wrapper(backend, hpu_moe)
+        self.backend = backend
+        self.report: Report | None = None
+
+    def compile(self, model_or_fn, **compile_kwargs):
+        """`torch.compile(model_or_fn, backend=<hpu_moe with the session's options>, **compile_kwargs)`.
+
+        Modules get the adapters first (unless options turn them off), as `backend="hpu_moe"` would.
+        """
+        if self.options.adapters and isinstance(model_or_fn, torch.nn.Module):
+            adapt(model_or_fn)
+        return torch.compile(model_or_fn, backend=self.backend, **compile_kwargs)
+
+
+@contextlib.contextmanager
+def explaining(options: dict | Options | None = None):
+    """Record what every torch.compile call made inside the block does; `session.report` after it.
+
+    Compile with `session.compile(...)` (hpu_moe with `options`) or with any other backend: compiles,
+    recompiles and graph breaks are reported for all of them, MoE decisions for hpu_moe graphs.
+    Resets dynamo first so that the counts describe the block alone.
+    """
     opts = Options.parse(options)
     torch._dynamo.reset()
     counters.clear()
     install_discovery_hook()  # dynamo's reset() dropped it
-    if opts.adapters and isinstance(model_or_fn, torch.nn.Module):
-        adapt(model_or_fn)
-    backend = functools.partial(hpu_moe, options=opts)
-    functools.update_wrapper(backend, hpu_moe)
-    compiled = torch.compile(model_or_fn, backend=backend)
-    with collecting() as collector, torch.no_grad():
-        output = compiled(*args, **kwargs)
+    session = ExplainSession(opts)
+    with collecting() as collector, _DynamoEvents.listening() as events:
+        yield session
+    session.report = _build_report(opts, collector.records, events)
+    _emit_report(session.report)
+
+
+def _build_report(opts: Options, records, events: _DynamoEvents) -> Report:
     breaks = dict(counters["graph_break"])
     # A graph break inside a loop makes dynamo skip the whole frame and run it eagerly; it is counted
     # as "unimplemented", not as a graph break, but it splits the model's graph all the same.
     breaks.update({reason: n for reason, n in counters["unimplemented"].items() if _skipped_a_frame(reason)})
+    compiles = events.compiles()
+    succeeded = [c for c in compiles if c.failure is None]
+    graph_breaks = events.graph_breaks()
     report = Report(
-        graph_count=len(collector.records),
-        graph_break_count=sum(breaks.values()),
+        graph_count=len(records) or int(counters["stats"]["unique_graphs"]),
+        # dynamo counts a frame it gave up on ("skipping the function") apart from its graph breaks
+        graph_break_count=max(sum(breaks.values()), len(graph_breaks)),
         break_reasons=list(breaks),
-        compile_count=int(counters["frames"]["ok"]) or len(collector.records),
+        compile_count=len(succeeded) if compiles else (int(counters["frames"]["ok"]) or len(records)),
         target=resolve_target(opts.target),
         inner=inner_name(opts.inner),
+        verify=opts.verify,
+        graph_breaks=graph_breaks,
+        compiles=compiles,
+        recompiles=events.recompiles(),
+        recompile_limit_hits=list(events.limit_hits),
     )
-    for record in collector.records:
+    report.recompile_count = len(report.recompiles)
+    for record in records:
         report.fused.extend(record.fused)
         report.declined.extend(record.declined)
         if record.fallback:
             report.fallbacks.append(f"graph {record.index}: {record.fallback}")
-    report.advice = advice_for_breaks(report.break_reasons)
-    return report, output
+        report.graphs.append(
+            GraphView(
+                index=record.index,
+                compile_id=record.compile_id,
+                captured=record.captured,
+                rewritten=record.rewritten,
+                fused=len(record.fused),
+                declined=len(record.declined),
+                fallback=record.fallback,
+                seconds={step: round(s, 6) for step, s in record.seconds.items()},
+            )
+        )
+        for step, seconds in record.seconds.items():
+            report.pass_seconds[step] = round(report.pass_seconds.get(step, 0.0) + seconds, 6)
+    report.advice = advice_for_breaks(report.break_reasons) + advice_for_recompiles(report)
+    return report
+
+
+def _emit_report(report: Report) -> None:
+    """The report as a structured-trace artifact, next to dynamo's records in TORCH_TRACE output."""
+    trace = getattr(torch._logging, "trace_structured", None)
+    if trace is None:
+        return
+    metadata = lambda: {"name": "moe_passes_report", "encoding": "json"}  # noqa: E731
+    try:
+        trace("artifact", metadata_fn=metadata, payload_fn=report.to_dict, expect_trace_id=False)
+    except TypeError:  # torch without expect_trace_id
+        trace("artifact", metadata_fn=metadata, payload_fn=report.to_dict)
 
 
 def _skipped_a_frame(reason: str) -> bool:
     return "frame skipped" in reason or "Skipping the frame" in reason
+
+
+class _DynamoEvents(logging.Handler):
+    """Collects dynamo's structured-trace records (and its recompile-limit warning) while active."""
+
+    TRACE_NAMES = ("compilation_metrics",)
+    ARTIFACTS = ("recompile_reasons", "dynamo_graph_break_reason")
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.metrics: list[dict] = []
+        self.artifacts: list[tuple[str, str | None, str]] = []  # (name, compile id, payload)
+        self.limit_hits: list[str] = []
+
+    @classmethod
+    @contextlib.contextmanager
+    def listening(cls):
+        events = cls()
+        trace_log = getattr(getattr(torch._logging, "_internal", None), "trace_log", None)
+        limit_log = logging.getLogger("torch._dynamo.convert_frame")
+        if trace_log is None:
+            log.debug("this torch has no structured trace: compiles and recompiles are counted only")
+            yield events
+            return
+        level = trace_log.level
+        trace_log.setLevel(logging.DEBUG)
+        trace_log.addHandler(events)
+        limit_log.addHandler(events)
+        try:
+            yield events
+        finally:
+            trace_log.removeHandler(events)
+            limit_log.removeHandler(events)
+            trace_log.setLevel(level)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            metadata = getattr(record, "metadata", None)
+            if metadata is None:
+                message = record.getMessage()
+                if record.levelno >= logging.WARNING and (
+                    "recompile_limit" in message or "cache_size_limit" in message
+                ):
+                    self.limit_hits.append(_first_lines(message, 3))
+                return
+            if "compilation_metrics" in metadata:
+                self.metrics.append(dict(metadata["compilation_metrics"]))
+            artifact = metadata.get("artifact")
+            if isinstance(artifact, dict) and artifact.get("name") in self.ARTIFACTS:
+                compile_id = None
+                if metadata.get("frame_id") is not None:
+                    compile_id = f"{metadata['frame_id']}/{metadata.get('frame_compile_id', 0)}"
+                self.artifacts.append((artifact["name"], compile_id, getattr(record, "payload", "") or ""))
+        except Exception:  # noqa: BLE001 - a report detail must never break the user's compile
+            log.debug("could not read a structured trace record", exc_info=True)
+
+    def compiles(self) -> list[Compile]:
+        out = []
+        code_of_frame: dict[str, tuple[str, str]] = {}  # frame id -> (function, location)
+        for m in self.metrics:
+            if m.get("compile_id") is None:
+                continue
+            compile_id = str(m["compile_id"])
+            frame = compile_id.split("/", 1)[0]
+            if m.get("co_name"):
+                code_of_frame[frame] = (
+                    str(m["co_name"]),
+                    f"{m.get('co_filename')}:{m.get('co_firstlineno')}",
+                )
+            # a compile refused by the recompile limit names no code: it is the frame's code again
+            function, location = code_of_frame.get(frame, ("?", "?"))
+            failure = m.get("fail_reason") or m.get("fail_type")
+            out.append(
+                Compile(
+                    compile_id=compile_id,
+                    function=function,
+                    location=location,
+                    graph_ops=m.get("graph_op_count"),
+                    failure=_first_lines(failure, 2) if failure else None,
+                )
+            )
+        return out
+
+    def recompiles(self) -> list[Recompile]:
+        functions = {c.compile_id: c for c in self.compiles()}
+        out = []
+        for name, compile_id, payload in self.artifacts:
+            if name != "recompile_reasons":
+                continue
+            try:
+                reasons = json.loads(payload)
+            except ValueError:
+                reasons = payload
+            reasons = [reasons] if isinstance(reasons, str) else list(reasons)
+            compiled = functions.get(compile_id)
+            out.append(
+                Recompile(
+                    compile_id=compile_id or "?",
+                    function=compiled.function if compiled else "?",
+                    location=compiled.location if compiled else "?",
+                    guard_failures=[_first_lines(str(r), 1) for r in reasons],
+                    user_stack=_frames(str(reasons[0]).split("User stack trace:", 1)[-1]) if reasons else [],
+                )
+            )
+        return out
+
+    def graph_breaks(self) -> list[GraphBreak]:
+        out = []
+        for name, compile_id, payload in self.artifacts:
+            if name != "dynamo_graph_break_reason":
+                continue
+            at = re.search(r"Graph break in user code at (.+?):(\d+)\n", payload)
+            reason = payload.split("Graph Break Reason:", 1)[-1]
+            for end in ("\nStack variable source attribution:", "\nUser code traceback:"):
+                reason = reason.split(end, 1)[0]
+            stack = payload.split("User code traceback:", 1)[-1].split(
+                "Traceback (most recent call last)", 1
+            )[0]
+            out.append(
+                GraphBreak(
+                    reason=_first_lines(reason, 4),
+                    location=f"{at.group(1)}:{at.group(2)}" if at else "?",
+                    user_stack=_frames(stack),
+                    compile_id=compile_id,
+                )
+            )
+        return out
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(?:\s{4,}(?!File )(.*)\n)?', re.M)
+_NOT_USER_CODE = (torch.__file__.rsplit("/", 1)[0] + "/", sysconfig.get_paths()["stdlib"] + "/")
+
+
+def _frames(text: str) -> list[Frame]:
+    """User frames of a formatted stack (torch's own frames left out)."""
+    frames = []
+    for path, line, function, code in _FRAME.findall(text if text.endswith("\n") else text + "\n"):
+        if path.startswith(_NOT_USER_CODE):
+            continue
+        frames.append(Frame(path, int(line), function, (code or "").strip()))
+    return frames
+
+
+def _first_lines(text: str, count: int) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return " / ".join(lines[:count])
 
 
 # Graph breaks an MoE layer typically causes, and the setting that removes them.
@@ -80,6 +322,15 @@ DATA_DEPENDENT_ADVICE = (
     "4.x) is kept in one graph, and fused, with torch._dynamo.config.capture_dynamic_output_shape_ops = True; "
     "a loop over the experts that were hit (`for e in expert_hit`) cannot be captured even then"
 )
+NAME_GUARD_ADVICE = (
+    "each layer recompiles because a guard checks the layer's name string (vLLM-style layers that find "
+    "themselves again by name through a forward context): compile with backend='hpu_moe' and adapters on "
+    "(the default), which hold the layer by reference so that one compile serves every layer"
+)
+LIMIT_ADVICE = (
+    "dynamo hit its recompile limit: the calls after it run eagerly, uncompiled and unfused "
+    "(torch._dynamo.config.recompile_limit); remove the cause of the recompiles rather than raising the limit"
+)
 
 
 def advice_for_breaks(break_reasons: list[str]) -> list[str]:
@@ -87,3 +338,14 @@ def advice_for_breaks(break_reasons: list[str]) -> list[str]:
     if any(marker in reason for reason in break_reasons for marker in DATA_DEPENDENT_MARKERS):
         return [DATA_DEPENDENT_ADVICE]
     return []
+
+
+def advice_for_recompiles(report: Report) -> list[str]:
+    """What the user can change to remove per-layer recompiles."""
+    advice = []
+    failures = [failure for r in report.recompiles for failure in r.guard_failures]
+    if any(re.search(r"\.layer_name ==|\bprefix ==", failure) for failure in failures):
+        advice.append(NAME_GUARD_ADVICE)
+    if report.recompile_limit_hits:
+        advice.append(LIMIT_ADVICE)
+    return advice

@@ -165,3 +165,19 @@ def within(node: Node, depth: int, predicate) -> bool:
                     nxt.append(parent)
         frontier = nxt
     return False
+
+
+def source_line(node: Node) -> str:
+    """ "file.py:LINE in function" of the user code that produced `node` (dynamo's stack trace), or ""."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return ""
+    # 'File "/path/to/file.py", line 12, in forward'
+    parts = frames[-1].split('"')
+    if len(parts) < 3:
+        return ""
+    path, rest = parts[1], parts[2]
+    line = rest.split("line", 1)[-1].split(",")[0].strip()
+    function = rest.split(" in ", 1)[-1].strip() if " in " in rest else ""
+    return f"{path.rsplit('/', 1)[-1]}:{line}" + (f" in {function}" if function else "")

@@ -78,6 +78,11 @@ def format_graph(gm: GraphModule | torch.fx.Graph, keep=None) -> str:
     Values used by printed nodes but not printed themselves appear as graph inputs `in<i>`, numbered in
     order of first use, so a partial view stays stable when unrelated parts of the graph change.
     """
+    return "\n".join(line for _, line in graph_lines(gm, keep))
+
+
+def graph_lines(gm: GraphModule | torch.fx.Graph, keep=None) -> list[tuple[Node | None, str]]:
+    """`format_graph`, line by line, each with the node it prints (None for the header)."""
     graph = gm.graph if isinstance(gm, GraphModule) else gm
     namer, lines = _Namer(), []
     unbound = _unbind_items(graph)
@@ -97,7 +102,7 @@ def format_graph(gm: GraphModule | torch.fx.Graph, keep=None) -> str:
             continue
         if node.op == "output":
             if keep is None:
-                lines.append(f"return {_format_arg(node.args[0], namer)}")
+                lines.append((node, f"return {_format_arg(node.args[0], namer)}"))
             continue
         if node not in printed_set:
             continue
@@ -110,13 +115,18 @@ def format_graph(gm: GraphModule | torch.fx.Graph, keep=None) -> str:
                     namer.names[source] = f"{namer.names[origin]}[{source.args[1]}]"
         name = namer.define(node)
         if node.op == "get_attr":
-            lines.append(f"{name} = get_attr")
+            lines.append((node, f"{name} = get_attr"))
             continue
         args = [_format_arg(a, namer) for a in node.args]
         args += [f"{k}={_format_arg(v, namer)}" for k, v in node.kwargs.items() if k not in _DROPPED_KWARGS]
-        lines.append(f"{name} = {_op_name(node.target)}({', '.join(args)})")
+        lines.append((node, f"{name} = {_op_name(node.target)}({', '.join(args)})"))
     inputs = ", ".join(f"in{i}" for i in range(namer.inputs))
-    return "\n".join([f"graph({inputs}):", *("  " + line for line in lines)])
+    return [(None, f"graph({inputs}):"), *((node, "  " + line) for node, line in lines)]
+
+
+def node_lines(gm: GraphModule | torch.fx.Graph) -> dict[Node, str]:
+    """{node: its line in `format_graph(gm)`}, to point at a node in a printed graph."""
+    return {node: line.strip() for node, line in graph_lines(gm) if node is not None}
 
 
 def _unbind_items(graph: torch.fx.Graph) -> set[Node]:

@@ -58,11 +58,16 @@ def max_error(before, after) -> tuple[float, bool]:
 
 def verify_rewrite(captured, rewritten, example_inputs) -> str | None:
     """None when both graphs agree on the example inputs; else a description of the disagreement."""
+    worst, ok = compare_rewrite(captured, rewritten, example_inputs)
+    return None if ok else f"max abs error {worst:.3g} exceeds the tolerance for the output dtype"
+
+
+def compare_rewrite(captured, rewritten, example_inputs) -> tuple[float, bool]:
+    """(largest absolute output difference, within tolerance) of both graphs on the example inputs."""
     # Sizes are read through their hints: int() on a SymInt would specialise the compile.
     example_inputs = [const_int(v) if isinstance(v, torch.SymInt) else v for v in example_inputs]
     with torch.no_grad():
         # Each graph gets its own copies of the non-parameter inputs, drawn from the same seed.
         expected = captured(*_verification_inputs(example_inputs))
         actual = rewritten(*_verification_inputs(example_inputs))
-    worst, ok = max_error(expected, actual)
-    return None if ok else f"max abs error {worst:.3g} exceeds the tolerance for the output dtype"
+    return max_error(expected, actual)

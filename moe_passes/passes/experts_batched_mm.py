@@ -84,8 +84,8 @@ def _first_expand(node: Node) -> Node:
 
 
 def match_at(out: Node) -> ExpertsMatch | Decline:
-    def no(reason: str) -> Decline:
-        return Decline(FORM, reason, out)
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, out, at)
 
     view = out.args[0]
     if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
@@ -93,7 +93,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     top_k = const_int(shape(view)[1])
     weighted = strip_shape_ops(view)
     if not is_call(weighted, aten.mul.Tensor):
-        return no("routing weights do not scale the expert outputs")
+        return no("routing weights do not scale the expert outputs", weighted)
     down = None
     for a, b in ((weighted.args[0], weighted.args[1]), (weighted.args[1], weighted.args[0])):
         if not (isinstance(a, Node) and isinstance(b, Node)):
@@ -103,35 +103,35 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
             down, slot_weights = _batched_linear(unbiased), b
             break
     if down is None:
-        return no("routing weights do not multiply the output of a batched down projection")
+        return no("routing weights do not multiply the output of a batched down projection", weighted)
     down_in, down_w, down_ids, down_out_in = down
     gate = stacked_gate(down_in)
     if isinstance(gate, str):
-        return no(gate)
+        return no(gate, down_in)
     swiglu, activation = gate.swiglu, gate.activation
     gate_up_out, up_bias, up_bias_ids = _with_bias(gate.gate_up_output)
     if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
-        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel")
+        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_out)
     up = _batched_linear(gate_up_out)
     if up is None:
-        return no("gate/up is not a batched matmul of per-slot gathered weights")
+        return no("gate/up is not a batched matmul of per-slot gathered weights", gate_up_out)
     rows, gate_up_w, up_ids, up_out_in = up
     if swiglu is not None and not (
         strip_shape_ops(up_bias_ids) is strip_shape_ops(up_ids) is strip_shape_ops(down_bias_ids)
     ):
-        return no("expert biases are gathered with other ids than the weights")
+        return no("expert biases are gathered with other ids than the weights", up_bias_ids)
     if strip_shape_ops(up_ids) is not strip_shape_ops(down_ids):
-        return no("the two projections gather weights with different ids")
+        return no("the two projections gather weights with different ids", up_ids)
     hidden_states = _repeated_rows(_first_expand(rows), top_k)
     if hidden_states is None:
-        return no("the batched rows are not the tokens repeated k times (repeat_interleave)")
+        return no("the batched rows are not the tokens repeated k times (repeat_interleave)", rows)
     ids = slot_table(down_ids, top_k)
     weights = slot_table(slot_weights, top_k, through_casts=True)
     if ids is None or weights is None or shape(weights) != shape(ids):
-        return no("routing ids and weights are not [T, k] tensors of the same shape")
+        return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
     num_experts = const_int(shape(gate_up_w)[0])
     if const_int(shape(down_w)[0]) != num_experts:
-        return no("gate/up and down stacks hold different numbers of experts")
+        return no("gate/up and down stacks hold different numbers of experts", down_w)
     output = out
     users = list(out.users)
     if len(users) == 1 and is_cast(users[0]):

@@ -195,25 +195,30 @@ def _match_peeling_last_term(root: Node, members: list[ExpertTerm], terms: dict)
 def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> ExpertsMatch | Decline:
     """The match for experts summed into `root` (one term each), or why they cannot be fused."""
 
-    def no(reason: str) -> Decline:
-        return Decline(form, reason, root)
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(form, reason, root, at)
 
     if any(t.coefficient is None for t in terms):
         scaled = [t for t in terms if t.input_scaled_by is not None]
         if scaled:
             return no(
                 "routing weights scale each expert's input, not its output; the fused kernel weights "
-                "outputs, and with a non-linear MLP the two are not equal"
+                "outputs, and with a non-linear MLP the two are not equal",
+                scaled[0].input_scaled_by,
             )
-        return no("some experts' outputs are summed without a routing weight")
+        unweighted = next(t for t in terms if t.coefficient is None)
+        return no("some experts' outputs are summed without a routing weight", unweighted.term)
     activations = {t.activation_desc for t in terms}
     if len(activations) > 1:
+        odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
         return no(
-            f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one"
+            f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one",
+            odd.mlp_out,
         )
     if terms[0].activation is None:
         return no(
-            f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)"
+            f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)",
+            terms[0].mlp_out,
         )
     hidden = {t.hidden for t in terms}
     if len(hidden) != 1:

@@ -75,8 +75,8 @@ def _feeds_from_grouped_mm(node: Node) -> bool:
 
 
 def match_at(out: Node) -> ExpertsMatch | Decline:
-    def no(reason: str) -> Decline:
-        return Decline(FORM, reason, out)
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, out, at)
 
     dims = out.args[1]
     view = out.args[0]
@@ -86,55 +86,55 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     top_k = const_int(top_k)
     unpermuted = strip_shape_ops(view)
     if not (is_call(unpermuted, aten.index.Tensor) and len(unpermuted.args[1]) == 1):
-        return no("expert outputs are not gathered back to token order before the sum")
+        return no("expert outputs are not gathered back to token order before the sum", unpermuted)
     weighted, inverse = unpermuted.args[0], unpermuted.args[1][0]
     perm = _inverse_of(inverse)
     if perm is None:
-        return no("the gather back to token order is not the inverse of the sort permutation")
+        return no("the gather back to token order is not the inverse of the sort permutation", inverse)
 
     if not is_call(weighted, aten.mul.Tensor):
-        return no("routing weights do not scale the expert outputs")
+        return no("routing weights do not scale the expert outputs", weighted)
     down_out, slot_weights = _split_product(weighted)
     down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
     if down_mm is None or not is_grouped_mm(down_mm):
-        return no("routing weights do not multiply the output of the down projection")
+        return no("routing weights do not multiply the output of the down projection", weighted)
     flat_weights = _gathered_by(slot_weights, perm)
     if flat_weights is None:
-        return no("routing weights are not permuted like the tokens")
+        return no("routing weights are not permuted like the tokens", slot_weights)
 
     down_in, down_w, offs = _grouped_args(down_mm)
     gate = stacked_gate(down_in)
     if isinstance(gate, str):
-        return no(gate)
+        return no(gate, down_in)
     swiglu, activation, gate_up_out = gate.swiglu, gate.activation, gate.gate_up_output
     gate_up_mm, up_bias, up_bias_ids = _with_bias(gate_up_out)
     if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
-        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel")
+        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_out)
     if swiglu is not None and not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
-        return no("expert biases are not gathered with the sorted expert ids")
+        return no("expert biases are not gathered with the sorted expert ids", up_bias_ids)
     if not is_grouped_mm(gate_up_mm):
-        return no("gate/up is not produced by a grouped matmul")
+        return no("gate/up is not produced by a grouped matmul", gate_up_mm)
     rows, gate_up_w, offs_up = _grouped_args(gate_up_mm)
     if offs_up is not offs:
-        return no("the two grouped matmuls use different group offsets")
+        return no("the two grouped matmuls use different group offsets", gate_up_mm)
 
     ids_flat = _offsets_source(offs, perm)
     if ids_flat is None:
-        return no("group offsets are not the per-expert counts of the sorted ids")
+        return no("group offsets are not the per-expert counts of the sorted ids", offs)
     num_experts = _offsets_bins(offs)
     hidden_states = _rows_source(rows, perm, top_k)
     if hidden_states is None:
-        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])")
+        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", rows)
     ids, weights = slot_table(ids_flat, top_k), slot_table(flat_weights, top_k)
     if ids is None or weights is None or shape(weights) != shape(ids):
-        return no("routing ids and weights are not [T, k] tensors of the same shape")
+        return no("routing ids and weights are not [T, k] tensors of the same shape", ids_flat)
 
     gate_up, gate_up_out_in = _stacked_weight(gate_up_w)
     down, down_out_in = _stacked_weight(down_w)
     if len(shape(gate_up)) != 3 or len(shape(down)) != 3:
-        return no("expert weights are not stacked [E, ., .] tensors")
+        return no("expert weights are not stacked [E, ., .] tensors", gate_up_w)
     if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:
-        return no("the number of stacked experts differs from the histogram bins")
+        return no("the number of stacked experts differs from the histogram bins", offs)
     return ExpertsMatch(
         form=FORM,
         output=_final_output(out),

@@ -91,17 +91,17 @@ def _gather_source(rows_value: Node, index: Node) -> Node | None:
 
 
 def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
-    def no(reason: str) -> Decline:
-        return Decline(FORM, reason, end)
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, end, at)
 
     terms: list[ExpertTerm] = []
     for link in links:
         _, dim, index, source, overwrites = link_parts(link)
         if dim != 0 or not isinstance(index, Node) or not isinstance(source, Node):
-            return no("expert outputs are not added back along the token dimension")
+            return no("expert outputs are not added back along the token dimension", link)
         term = read_term(source)
         if term is None:
-            return no("an expert's scattered output is not a gated MLP of the gathered tokens")
+            return no("an expert's scattered output is not a gated MLP of the gathered tokens", source)
         rows_value = term.hidden
         if term.input_scaled_by is not None:  # MLP(x[tok] * w): let match_terms name the problem
             rows_value = next(
@@ -110,19 +110,21 @@ def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
             )
         hidden = _gather_source(rows_value, index)
         if hidden is None:
-            return no("an expert's input rows are not the hidden states at the tokens it adds back to")
+            return no(
+                "an expert's input rows are not the hidden states at the tokens it adds back to", rows_value
+            )
         terms.append(
             dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index, rows_overwrite=overwrites)
         )
     base = strip_casts(link_parts(links[0])[0])
     hidden_shape, out_shape = shape(terms[0].hidden), shape(base)
     if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
-        return no("the accumulator is not a [T, H] tensor")
+        return no("the accumulator is not a [T, H] tensor", base)
     tokens = 1
     for size in hidden_shape[:-1]:
         tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
     if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
-        return no("the accumulator does not hold one row per token of the hidden states")
+        return no("the accumulator does not hold one row per token of the hidden states", base)
     output = end
     users = list(end.users)
     if len(users) == 1 and is_cast(users[0]):

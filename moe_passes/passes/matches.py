@@ -17,7 +17,8 @@ class Decline:
 
     form: str
     reason: str
-    anchor: Node | None = None
+    anchor: Node | None = None  # the node the candidate was found at (its output)
+    stopped_at: Node | None = None  # the node where matching stopped (the anchor when not given)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ import logging
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
+from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, source_line, strip_casts
+from ..printer import node_lines
 from ..report import Declined, Fused
 from . import (
     experts_batched_mm,
@@ -195,12 +196,21 @@ def fuse_moe(
     candidates = [c for find in FINDERS for c in find(gm.graph)]
     matches = [c for c in candidates if isinstance(c, ExpertsMatch)]
     matched_anchors = {m.output for m in matches} | {a for m in matches for a in m.output.all_input_nodes}
+    # Declines point at a node as the captured graph prints it: name the nodes before any rewrite.
+    printed = node_lines(gm) if candidates else {}
     for candidate in candidates:
         if isinstance(candidate, Decline):
             if candidate.anchor in matched_anchors:
                 continue  # another finder matched this region
+            stopped = candidate.stopped_at or candidate.anchor
             declined.append(
-                Declined(layer_name(candidate.anchor), candidate.form, candidate.reason, graph_index)
+                Declined(
+                    layer_name(candidate.anchor),
+                    candidate.form,
+                    candidate.reason,
+                    graph_index,
+                    stopped_at=_where(stopped, printed),
+                )
             )
             continue
         if candidate.output in seen_outputs:
@@ -211,7 +221,11 @@ def fuse_moe(
             reason = rounding_needed(candidate)
         name = _layer_of(candidate)
         if reason is not None:
-            declined.append(Declined(name, candidate.form, reason, graph_index))
+            declined.append(
+                Declined(
+                    name, candidate.form, reason, graph_index, stopped_at=_where(candidate.output, printed)
+                )
+            )
             continue
         replaced |= region_of(candidate)
         node = rewrite_experts(gm.graph, candidate, target)
@@ -236,6 +250,15 @@ def fuse_moe(
         gm.graph.lint()
         gm.recompile()
     return fused, declined
+
+
+def _where(node: Node | None, printed: dict[Node, str]) -> str:
+    """A node as the captured graph prints it, with the user source line that produced it."""
+    if node is None:
+        return ""
+    line = printed.get(node, node.name)
+    source = source_line(node)
+    return f"{line}  [{source}]" if source else line
 
 
 def _drop_size_assertions_on(graph: torch.fx.Graph, replaced: set[Node]) -> int:
