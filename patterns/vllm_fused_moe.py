@@ -182,6 +182,12 @@ class VllmStyleModel(nn.Module):
         return hidden_states
 
 
+def forward_context(model: VllmStyleModel, example_inputs):
+    """The context a run of `model` needs (the model runner's, without DP metadata): the dump tool
+    enters it around the compiled run."""
+    return set_forward_context(model)
+
+
 def build(num_layers: int | None = None, **overrides):
     """(VllmStyleModel, (x [1, T, H],)); `num_layers` (or `layers`) decoder layers, DEFAULTS otherwise.
 
