@@ -181,8 +181,9 @@ class _DynamoEvents(logging.Handler):
             log.debug("this torch has no structured trace: compiles and recompiles are counted only")
             yield events
             return
-        level = trace_log.level
+        level, propagate = trace_log.level, trace_log.propagate
         trace_log.setLevel(logging.DEBUG)
+        trace_log.propagate = False  # structured records are for trace handlers, not the user's logs
         trace_log.addHandler(events)
         limit_log.addHandler(events)
         try:
@@ -191,6 +192,7 @@ class _DynamoEvents(logging.Handler):
             trace_log.removeHandler(events)
             limit_log.removeHandler(events)
             trace_log.setLevel(level)
+            trace_log.propagate = propagate
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -204,7 +204,7 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
             return no(
                 "routing weights scale each expert's input, not its output; the fused kernel weights "
                 "outputs, and with a non-linear MLP the two are not equal",
-                scaled[0].input_scaled_by,
+                scaled[0].hidden,  # the product of the input and the routing weight
             )
         unweighted = next(t for t in terms if t.coefficient is None)
         return no("some experts' outputs are summed without a routing weight", unweighted.term)

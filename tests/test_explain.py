@@ -1,0 +1,170 @@
+"""explain(): compiles, recompiles with the guards that failed, graph breaks with the user stack, declines
+with the node where matching stopped; and the trail left for TORCH_LOGS and TORCH_TRACE.
+
+The vLLM-style catalog model shows both problems explain() must make visible: compiled one decoder
+layer at a time without the adapters, the `layer_name` string becomes a guard (one recompile per layer
+until the recompile limit), and the sequence-parallel context access breaks the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_passes
+from moe_passes.report import Report
+from patterns import near_miss_input_scaled, static_dense_loop, vllm_fused_moe
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_FILE = str(ROOT / "patterns" / "vllm_fused_moe.py")
+
+
+def run_each_layer(options: dict, num_layers: int, dp_metadata: bool = False) -> Report:
+    model, (x,) = vllm_fused_moe.build(num_layers=num_layers)
+    tokens = {"num_tokens_across_dp": [x.shape[1]]} if dp_metadata else {}
+    with moe_passes.explaining(options) as session:
+        layers = [session.compile(layer) for layer in model.layers]
+        with torch.no_grad(), vllm_fused_moe.set_forward_context(model, **tokens):
+            for layer in layers:
+                x = layer(x)
+    return session.report
+
+
+def test_per_layer_recompiles_name_the_layer_name_guard_under_plain_inductor():
+    limit = torch._dynamo.config.recompile_limit
+    report = run_each_layer({"inner": "inductor", "adapters": False, "target": "portable"}, limit + 2)
+    assert report.recompile_count == limit, str(report)  # compiles 0/1 .. 0/limit; 0/limit is refused
+    for recompile in report.recompiles:
+        assert recompile.function == "forward" and recompile.location.startswith(VLLM_FILE)
+        assert ".layer_name == 'model.layers." in recompile.guard_failures[0], recompile
+        assert recompile.user_stack and recompile.user_stack[-1].file == VLLM_FILE
+        assert "self.layer_name" in recompile.user_stack[-1].code
+    assert report.compile_count == limit and report.recompile_limit_hits, str(report)
+    assert any(c.failure and "recompile limit" in c.failure.lower() for c in report.compiles)
+    assert not report.fused and not report.graph_breaks
+    assert any("layer's name string" in advice for advice in report.advice)
+    assert any("recompile limit" in advice for advice in report.advice)
+
+
+def test_graph_breaks_carry_the_user_stack_into_the_model_source():
+    report = run_each_layer({"inner": "eager", "adapters": False, "target": "portable"}, 3, dp_metadata=True)
+    assert report.graph_break_count == len(report.graph_breaks) > 0, str(report)
+    for graph_break in report.graph_breaks:
+        assert (
+            graph_break.location
+            == f"{VLLM_FILE}:{_line_of('.repeat_interleave(sequence_parallel_size).tolist()')}"
+        )
+        assert "_local_scalar_dense" in graph_break.reason
+        innermost = graph_break.user_stack[-1]
+        assert (innermost.file, innermost.function) == (VLLM_FILE, "sp_local_sizes")
+        assert any(
+            f.function == "forward" and "_sequence_parallel_context" in f.code for f in graph_break.user_stack
+        )
+        assert not any("/torch/" in f.file for f in graph_break.user_stack)  # user frames only
+
+
+def test_the_fix_one_compile_no_break_no_recompile_and_the_experts_fused():
+    report = run_each_layer({"inner": "eager", "target": "portable"}, 10, dp_metadata=True)
+    assert (report.compile_count, report.recompile_count, report.graph_break_count) == (1, 0, 0), str(report)
+    assert [c.compile_id for c in report.compiles] == ["0/0"]
+    assert len(report.fused) == 1 and not report.advice
+
+
+def _line_of(snippet: str) -> int:
+    lines = Path(VLLM_FILE).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if snippet in line)
+
+
+def test_declines_name_the_node_where_matching_stopped():
+    model, inputs = near_miss_input_scaled.build(layers=1)
+    report = moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})
+    (declined,) = report.declined
+    (graph,) = report.graphs
+    line = declined.stopped_at.split("  [", 1)[0]
+    assert line.startswith("%") and " = aten.mul.Tensor(" in line  # the weight scaling the expert input
+    assert line in [row.strip() for row in graph.captured.splitlines()]  # as the captured graph prints it
+    assert "near_miss_input_scaled.py:" in declined.stopped_at
+
+
+def test_report_keeps_graphs_timings_and_verified_error_and_round_trips_through_json():
+    model, inputs = static_dense_loop.build()
+    report = moe_passes.explain(
+        model, *inputs, options={"inner": "eager", "target": "portable", "verify": True}
+    )
+    (graph,) = report.graphs
+    assert graph.compile_id == "0/0" and "mixture_of_experts" in graph.rewritten
+    assert "mixture_of_experts" not in graph.captured
+    assert set(report.pass_seconds) == {"canonicalize", "fuse", "verify", "inner compile"}
+    assert all(f.max_error is not None and f.max_error < 1e-4 for f in report.fused)
+    assert Report.from_dict(json.loads(report.to_json())) == report
+    with pytest.raises(ValueError, match="not a moe_passes report"):
+        Report.from_dict({"fused": []})
+
+
+def test_explaining_reports_other_backends_too():
+    model, inputs = static_dense_loop.build()
+    with moe_passes.explaining() as session, torch.no_grad():
+        torch.compile(model, backend="eager")(*inputs)
+    report = session.report
+    assert report.compile_count == 1 and report.graph_count == 1 and not report.fused and not report.graphs
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        timeout=600,
+    )
+
+
+EXPLAIN_ONE_FORM = """
+    import moe_passes
+    from patterns import near_miss_input_scaled, static_dense_loop
+    for form in (static_dense_loop, near_miss_input_scaled):
+        model, inputs = form.build(layers=1)
+        moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})
+"""
+
+
+def test_torch_logs_shows_the_moe_passes_logger():
+    result = _run(EXPLAIN_ONE_FORM, {"TORCH_LOGS": "+moe_passes"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "graph 0 before the MoE rewrite:" in result.stderr
+    assert "graph 0 after the MoE rewrite:" in result.stderr and "mixture_of_experts" in result.stderr
+    assert "fused moes.0 (dense_loop" in result.stderr and "declined moes.0" in result.stderr
+
+
+def test_torch_trace_holds_each_pass_graph_and_the_report(tmp_path):
+    result = _run(EXPLAIN_ONE_FORM, {"TORCH_TRACE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    artifacts: dict[str, list[str]] = {}
+    for trace in tmp_path.glob("*.log"):
+        lines = trace.read_text().splitlines()
+        for i, line in enumerate(lines):
+            # glog prefix, then the JSON metadata; a payload follows as tab-indented lines
+            start = line.find("{")
+            if start < 0 or '"artifact"' not in line:
+                continue
+            name = json.loads(line[start:])["artifact"]["name"]
+            payload = []
+            for follow in lines[i + 1 :]:
+                if not follow.startswith("\t"):
+                    break
+                payload.append(follow[1:])
+            artifacts.setdefault(name, []).append("\n".join(payload))
+    for name in ("moe_passes_graph_0_before", "moe_passes_graph_0_after", "moe_passes_graph_0_decisions"):
+        assert name in artifacts, sorted(artifacts)
+    assert any("mixture_of_experts" in p for p in artifacts["moe_passes_graph_0_after"])
+    assert not any("mixture_of_experts" in p for p in artifacts["moe_passes_graph_0_before"])
+    reports = [Report.from_dict(json.loads(p)) for p in artifacts["moe_passes_report"]]
+    assert [len(r.fused) for r in reports] == [1, 0] and [len(r.declined) for r in reports] == [0, 1]
