@@ -13,7 +13,16 @@ import shutil
 import subprocess
 
 from ..report import Report
-from .text import FUSED_HEADER, STOP_MARK, fused_rows, marked_lines, pass_times, stops_by_graph, summary_items
+from .text import (
+    FUSED_HEADER,
+    STOP_MARK,
+    fused_rows,
+    marked_lines,
+    pass_times,
+    relative_to_cwd,
+    stops_by_graph,
+    summary_items,
+)
 
 MAX_DRAWN_NODES = 1500  # larger graphs are shown as text: dot takes minutes on them
 
@@ -31,7 +40,7 @@ pre .fused { background: #d8f5dd; } pre .stop { background: #ffe2c2; }
 figure { margin: 0; flex: 1 1 30em; min-width: 20em; }
 figure svg { max-width: 100%; height: auto; border: 1px solid #ddd; }
 figcaption { font-weight: bold; margin-bottom: .3em; }
-.stack { font-family: monospace; font-size: 12px; white-space: pre; }
+.none { color: #777; } .stack { font-family: monospace; font-size: 12px; white-space: pre; }
 """
 
 
@@ -44,6 +53,8 @@ def _esc(text) -> str:
 
 
 def _table(table_id: str, header: list[str], rows: list[list[str]], raw: bool = False) -> str:
+    if not rows:
+        return f'<p id="{table_id}" class="none">none</p>'
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
     body = "".join(
         "<tr>" + "".join(f"<td>{c if raw else _esc(c)}</td>" for c in row) + "</tr>" for row in rows
@@ -190,17 +201,6 @@ def render_html(report: Report, target: str) -> str:
         )
     )
     parts += [f'<p class="bad">{_esc(hit)}</p>' for hit in report.recompile_limit_hits]
-    parts.append(f"<h2>Compiles ({len(report.compiles)})</h2>")
-    parts.append(
-        _table(
-            "compiles",
-            ["compile", "function", "location", "graph ops", "failure"],
-            [
-                [c.compile_id, c.function, c.location, str(c.graph_ops), c.failure or ""]
-                for c in report.compiles
-            ],
-        )
-    )
     if report.fallbacks or report.advice:
         parts.append("<h2>Fallbacks and advice</h2><ul>")
         parts += [f'<li class="bad">{_esc(f)}</li>' for f in report.fallbacks]
@@ -223,5 +223,16 @@ def render_html(report: Report, target: str) -> str:
         else:
             parts.append('<figure class="after"><figcaption>after: unchanged</figcaption></figure>')
         parts.append("</div></section>")
+    parts.append(f"<h2>Compiles ({len(report.compiles)})</h2>")
+    parts.append(
+        _table(
+            "compiles",
+            ["compile", "function", "location", "graph ops", "failure"],
+            [
+                [c.compile_id, c.function, c.location, str(c.graph_ops), c.failure or ""]
+                for c in report.compiles
+            ],
+        )
+    )
     parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+    return relative_to_cwd("\n".join(parts) + "\n")

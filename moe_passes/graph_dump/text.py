@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from ..report import Report
 
 FUSED_MARK = "<- fused"
@@ -172,7 +174,12 @@ def render_text(report: Report, target: str, color: bool = False, graphs: bool =
                 out += _graph_text(g.rewritten, set(), True, s)
             else:
                 out.append(s.dim("  rewritten: unchanged"))
-    return "\n".join(out) + "\n"
+    return relative_to_cwd("\n".join(out) + "\n")
+
+
+def relative_to_cwd(text: str) -> str:
+    """Paths under the current directory shown relative to it (short, and the same on every checkout)."""
+    return text.replace(os.getcwd().rstrip("/") + "/", "")
 
 
 def _graph_text(text: str | None, stops: set[str], fused: bool, s: Style) -> list[str]:
