@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import moe_passes
+import patterns
 from moe_passes.report import Report
-from patterns import near_miss_input_scaled, static_dense_loop, vllm_fused_moe
+from patterns import static_dense_loop, vllm_fused_moe
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_FILE = str(ROOT / "patterns" / "vllm_fused_moe.py")
@@ -82,15 +83,25 @@ def _line_of(snippet: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if snippet in line)
 
 
-def test_declines_name_the_node_where_matching_stopped():
-    model, inputs = near_miss_input_scaled.build(layers=1)
-    report = moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})
+@pytest.mark.parametrize(
+    ("name", "stopped_op"),
+    [
+        ("near_miss_input_scaled", " = aten.mul.Tensor("),  # the routing weight times the expert input
+        ("near_miss_exact_gelu", " = aten.gelu("),  # the activation the kernel lacks
+        ("near_miss_mixed_activation", " = aten.silu("),  # the first expert unlike the others
+    ],
+)
+def test_declines_name_the_node_where_matching_stopped(name, stopped_op):
+    form = patterns.catalog()[name]
+    model, inputs = form.build(layers=1)
+    with patterns.dynamo_config(form):
+        report = moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})
     (declined,) = report.declined
     (graph,) = report.graphs
     line = declined.stopped_at.split("  [", 1)[0]
-    assert line.startswith("%") and " = aten.mul.Tensor(" in line  # the weight scaling the expert input
+    assert line.startswith("%") and stopped_op in line, declined.stopped_at
     assert line in [row.strip() for row in graph.captured.splitlines()]  # as the captured graph prints it
-    assert "near_miss_input_scaled.py:" in declined.stopped_at
+    assert declined.stopped_at.endswith(" in forward]")  # with the user source line
 
 
 def test_report_keeps_graphs_timings_and_verified_error_and_round_trips_through_json():

@@ -192,6 +192,12 @@ def _match_peeling_last_term(root: Node, members: list[ExpertTerm], terms: dict)
     return peeled if isinstance(peeled, ExpertsMatch) else result
 
 
+def _activation_node(term: ExpertTerm) -> Node:
+    """The node applying an expert's activation (where a decline about it stops), else its output."""
+    product = gated_product(term.down.input)
+    return product.activation_node if product is not None else term.mlp_out
+
+
 def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> ExpertsMatch | Decline:
     """The match for experts summed into `root` (one term each), or why they cannot be fused."""
 
@@ -213,12 +219,12 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
         odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
         return no(
             f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one",
-            odd.mlp_out,
+            _activation_node(odd),
         )
     if terms[0].activation is None:
         return no(
             f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)",
-            terms[0].mlp_out,
+            _activation_node(terms[0]),
         )
     hidden = {t.hidden for t in terms}
     if len(hidden) != 1:
