@@ -73,6 +73,14 @@ class Case:
     seed: int
     second_tokens: int | None = None  # dynamic cases also run at this token count
     strict: bool = False  # options={"strict": True}
+    # Loops over experts first_expert .. first_expert + held - 1 of the router's (expert parallelism);
+    # held None: all of them.
+    first_expert: int = 0
+    held: int | None = None
+
+    @property
+    def expert_range(self) -> range:
+        return range(self.first_expert, self.first_expert + (self.held or self.num_experts))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,7 +137,20 @@ def cases(draw) -> Case:
         seed=draw(st.integers(0, 2**16)),
         second_tokens=second,
         strict=draw(st.booleans()),
+        **_expert_range(draw, experts, num_experts),
     )
+
+
+def _expert_range(draw, experts: str, num_experts: int) -> dict:
+    """Loops may hold a contiguous part (two experts or more) of the router's experts."""
+    if (
+        experts not in ("dense_mask", "dense_scatter", "sparse_loop")
+        or num_experts < 3
+        or draw(st.booleans())
+    ):
+        return {}
+    held = draw(st.integers(2, num_experts - 1))
+    return {"first_expert": draw(st.integers(0, num_experts - held)), "held": held}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,6 +208,7 @@ class Experts(nn.Module):
         super().__init__()
         e, h, i = case.num_experts, case.hidden, case.intermediate
         self.storage, self.num_experts = case.storage, e
+        self.held = case.expert_range  # the experts the loops run (all unless expert parallel)
         self.act_fn = ACTIVATIONS[case.activation]
         self.is_transposed = case.storage == "transposed"
         self.has_bias = False
@@ -220,7 +242,7 @@ class Experts(nn.Module):
 
 def dense_mask(experts: Experts, x, ids, weights):
     out = torch.zeros_like(x)
-    for e in range(experts.num_experts):
+    for e in experts.held:
         out = out + experts.mlp(e, x) * (weights * (ids == e)).sum(dim=-1, keepdim=True)
     return out
 
@@ -229,7 +251,7 @@ def dense_scatter(experts: Experts, x, ids, weights):
     padded = torch.zeros(x.shape[0], experts.num_experts, dtype=weights.dtype, device=x.device)
     padded.scatter_(-1, ids, weights)
     out = torch.zeros_like(x)
-    for e in range(experts.num_experts):
+    for e in experts.held:
         out += experts.mlp(e, x) * padded[:, e, None]
     return out
 
@@ -237,7 +259,7 @@ def dense_scatter(experts: Experts, x, ids, weights):
 def sparse_loop(experts: Experts, x, ids, weights):
     out = torch.zeros_like(x)
     mask = F.one_hot(ids, num_classes=experts.num_experts).permute(2, 1, 0)
-    for e in range(experts.num_experts):
+    for e in experts.held:
         slot, token = torch.where(mask[e])
         y = experts.mlp(e, x[None, token].reshape(-1, x.shape[-1])) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
@@ -347,10 +369,20 @@ class _CountingInner:
 
     def __init__(self):
         self.fused_calls = 0
+        self.ranges: set[tuple[int, int]] = set()  # (experts_min, experts_max) of the fused calls
 
     def __call__(self, gm, example_inputs, **kwargs):
-        self.fused_calls += sum(is_fused_moe(n) for n in gm.graph.nodes)
+        for node in gm.graph.nodes:
+            if is_fused_moe(node):
+                self.fused_calls += 1
+                names = [a.name for a in node.target._schema.arguments]
+                self.ranges.add(tuple(_argument(node, names, n) for n in ("experts_min", "experts_max")))
         return lookup_backend("eager")(gm, example_inputs)
+
+
+def _argument(node, names: list[str], name: str):
+    index = names.index(name)
+    return node.args[index] if index < len(node.args) else node.kwargs[name]
 
 
 def run_case(case: Case, options: dict | None = None) -> Outcome:
@@ -395,6 +427,9 @@ def run_case(case: Case, options: dict | None = None) -> Outcome:
         if inner.fused_calls != len(fused) or len(fused) > len(collector.records):
             # one MoE layer: at most one fused call per compiled graph (a recompile makes another)
             return Outcome(case, "wrong fuse", f"{len(fused)} reported, {inner.fused_calls} in graphs")
+        held = case.expert_range
+        if inner.ranges != {(held.start, held.stop - 1)}:
+            return Outcome(case, "wrong fuse", f"expert range {inner.ranges}, held {held}", max_diff)
         return Outcome(case, "fused", fused[0].form, max_diff, reasons)
     if expected_fused:
         return Outcome(case, "wrong decline", "; ".join(reasons) or "nothing found", max_diff, reasons)
