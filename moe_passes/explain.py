@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import re
 import sysconfig
 
@@ -274,12 +275,13 @@ class _DynamoEvents(logging.Handler):
             reason = payload.split("Graph Break Reason:", 1)[-1]
             for end in ("\nStack variable source attribution:", "\nUser code traceback:"):
                 reason = reason.split(end, 1)[0]
+            reason = _break_reason(reason)
             stack = payload.split("User code traceback:", 1)[-1].split(
                 "Traceback (most recent call last)", 1
             )[0]
             out.append(
                 GraphBreak(
-                    reason=_first_lines(reason, 4),
+                    reason=reason,
                     location=f"{at.group(1)}:{at.group(2)}" if at else "?",
                     user_stack=_frames(stack),
                     compile_id=compile_id,
@@ -289,7 +291,29 @@ class _DynamoEvents(logging.Handler):
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(?:\s{4,}(?!File )(.*)\n)?', re.M)
-_NOT_USER_CODE = (torch.__file__.rsplit("/", 1)[0] + "/", sysconfig.get_paths()["stdlib"] + "/")
+# torch, the standard library and this package (the adapters' wrappers) are not the user's code
+_NOT_USER_CODE = (
+    os.path.dirname(torch.__file__) + "/",
+    sysconfig.get_paths()["stdlib"] + "/",
+    os.path.dirname(os.path.abspath(__file__)) + "/",
+)
+# How dynamo introduces a break reason; the reason itself follows
+_BREAK_PREAMBLES = (
+    "Encountered graph break when attempting",
+    "Failed to handle graph break",
+    "Graph break encountered",
+)
+
+
+def _break_reason(text: str) -> str:
+    """Dynamo's break reason without its preamble: the break type and its explanation."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    skipped = any("Skipping the function" in line or "Skipping frame" in line for line in lines)
+    kept = [
+        line for line in lines if not line.startswith(_BREAK_PREAMBLES) and not line.startswith("Skipping")
+    ]
+    reason = " / ".join(kept[:2]) or " / ".join(lines[:2])
+    return reason + (" (dynamo gave up on the whole function: it runs eagerly)" if skipped else "")
 
 
 def _frames(text: str) -> list[Frame]:

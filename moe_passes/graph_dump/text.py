@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sysconfig
 
 from ..report import Report
 
 FUSED_MARK = "<- fused"
 STOP_MARK = "<- declined: matching stopped here"
+SHOWN_FRAMES = 5  # innermost user frames shown per graph break (all of them in JSON and HTML)
 
 
 class Style:
@@ -127,11 +129,17 @@ def render_text(report: Report, target: str, color: bool = False, graphs: bool =
         out.append(s.dim("  none"))
     out.append("")
     out.append(s.title(f"Graph breaks ({report.graph_break_count})"))
-    for n, graph_break in enumerate(report.graph_breaks, 1):
-        out.append(
-            f"  {n}. at {graph_break.location} (compile {graph_break.compile_id}): {s.bad(graph_break.reason)}"
-        )
-        for frame in graph_break.user_stack:
+    # the same break met by several compiles (each layer, each resumed frame) is shown once
+    groups: dict[tuple[str, str], list] = {}
+    for graph_break in report.graph_breaks:
+        groups.setdefault((graph_break.location, graph_break.reason), []).append(graph_break)
+    for n, ((location, reason), same) in enumerate(groups.items(), 1):
+        compiles = ", ".join(str(b.compile_id) for b in same)
+        out.append(f"  {n}. at {location} (compile {compiles}): {s.bad(reason)}")
+        stack = same[0].user_stack
+        if len(stack) > SHOWN_FRAMES:
+            out.append(s.dim(f"       ... {len(stack) - SHOWN_FRAMES} outer frame(s)"))
+        for frame in stack[-SHOWN_FRAMES:]:
             out.append(f"       {frame}")
     if not report.graph_breaks:
         out += [f"  {r.splitlines()[0]}" for r in report.break_reasons] or [s.dim("  none")]
@@ -178,8 +186,11 @@ def render_text(report: Report, target: str, color: bool = False, graphs: bool =
 
 
 def relative_to_cwd(text: str) -> str:
-    """Paths under the current directory shown relative to it (short, and the same on every checkout)."""
-    return text.replace(os.getcwd().rstrip("/") + "/", "")
+    """Paths under the current directory, or of installed packages, shown relative to it (short, and the
+    same on every checkout): "patterns/x.py", "transformers/models/..."."""
+    for prefix in (os.getcwd(), sysconfig.get_paths()["purelib"]):
+        text = text.replace(prefix.rstrip("/") + "/", "")
+    return text
 
 
 def _graph_text(text: str | None, stops: set[str], fused: bool, s: Style) -> list[str]:
