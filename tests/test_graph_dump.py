@@ -228,7 +228,15 @@ def test_html_page_renders_in_a_headless_browser(capsys, tmp_path):
         pages[name] = (data, out / "report.html")
     for data, page in pages.values():
         dom = subprocess.run(
-            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--dump-dom",
+                page.as_uri(),
+            ],
             capture_output=True,
             text=True,
             timeout=120,
@@ -253,6 +261,7 @@ def test_html_page_renders_in_a_headless_browser(capsys, tmp_path):
             "--headless",
             "--no-sandbox",
             "--disable-gpu",
+            "--disable-dev-shm-usage",
             f"--screenshot={screenshot}",
             "--window-size=1200,1600",
             pages["hf_batched_mm"][1].as_uri(),

@@ -52,6 +52,7 @@ def main(argv=None) -> int:
                 "--headless",
                 "--no-sandbox",
                 "--disable-gpu",
+                "--disable-dev-shm-usage",
                 "--hide-scrollbars",
                 f"--window-size={args.size}",
                 f"--screenshot={png}",
