@@ -20,6 +20,7 @@ from .text import (
     marked_lines,
     pass_times,
     relative_to_cwd,
+    short_guard,
     stops_by_graph,
     summary_items,
 )
@@ -144,6 +145,19 @@ def _figure(caption: str, text: str | None, stops: set[str], fused: bool, kind: 
     return f'<figure class="{kind}"><figcaption>{_esc(caption)}</figcaption>{body}</figure>'
 
 
+def _guard_failures(failures: list[str]) -> str:
+    """The latest compile's failing guard; those of earlier compiles folded under it."""
+    if not failures:
+        return ""
+    latest = f'<code class="bad">{_esc(short_guard(failures[0]))}</code>'
+    if len(failures) == 1:
+        return latest
+    earlier = "<br>".join(_esc(f) for f in failures[1:])
+    return (
+        f"{latest}<details><summary>and {len(failures) - 1} earlier compile(s)</summary>{earlier}</details>"
+    )
+
+
 def render_html(report: Report, target: str) -> str:
     parts = [
         "<!DOCTYPE html>",
@@ -192,12 +206,17 @@ def render_html(report: Report, target: str) -> str:
     parts.append(
         _table(
             "recompiles",
-            ["compile", "function", "guard failures", "guard from"],
+            ["compile", "function", "guard that failed", "guard from"],
             [
-                [r.compile_id, f"{r.function} ({r.location})", "; ".join(r.guard_failures)]
-                + [str(r.user_stack[-1]) if r.user_stack else ""]
+                [
+                    _esc(r.compile_id),
+                    _esc(f"{r.function} ({r.location})"),
+                    _guard_failures(r.guard_failures),
+                    _esc(r.user_stack[-1]) if r.user_stack else "",
+                ]
                 for r in report.recompiles
             ],
+            raw=True,
         )
     )
     parts += [f'<p class="bad">{_esc(hit)}</p>' for hit in report.recompile_limit_hits]
