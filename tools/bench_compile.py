@@ -67,6 +67,31 @@ def passes_time(layers: int, repeat: int) -> dict:
     return {"layers": layers, "graph_nodes": len(gm.graph.nodes), "passes_s": statistics.median(samples)}
 
 
+def plot(result: dict, path: str) -> None:
+    """Left: first-call seconds per layer count, inner alone vs hpu_moe; right: passes' time vs graph nodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    layers = [str(r["layers"]) for r in result["compile"]]
+    width = 0.35
+    xs = range(len(layers))
+    left.bar([x - width / 2 for x in xs], [r["inner_s"] for r in result["compile"]], width, label=result["inner"])
+    left.bar([x + width / 2 for x in xs], [r["hpu_moe_s"] for r in result["compile"]], width,
+             label=f"hpu_moe+{result['inner']}")
+    left.set(xticks=list(xs), xticklabels=layers, xlabel="decoder layers", ylabel="compile + first call, s")
+    left.legend()
+    nodes = [r["graph_nodes"] for r in result["scaling"]]
+    right.plot(nodes, [r["passes_s"] for r in result["scaling"]], marker="o")
+    right.set(xlabel="graph nodes", ylabel="passes' time, s", title="rewrite_graph vs graph size")
+    right.grid(True, alpha=0.3)
+    fig.suptitle(f"Compile cost, torch {result['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", default="inductor")
@@ -74,7 +99,13 @@ def main(argv=None) -> int:
     parser.add_argument("--scaling-layers", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG here (needs matplotlib)")
+    parser.add_argument("--replot", help="only draw --plot from this earlier --json")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
+        return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, inner {args.inner}, form {FORM}, {SIZES}")
     first_call_s(1, False, args.inner)  # one-time costs (imports, caches) land on neither variant
     first_call_s(1, True, args.inner)
@@ -100,6 +131,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "inner": args.inner, "compile": compile_rows,
                        "scaling": scaling}, f, indent=1)
+    if args.plot:
+        plot({"torch": torch.__version__, "inner": args.inner, "compile": compile_rows, "scaling": scaling},
+             args.plot)
     return 0
 
 
