@@ -20,7 +20,7 @@ from torch._dynamo.backends.registry import list_backends, lookup_backend
 
 from . import lowering
 from .adapters import install_discovery_hook
-from .ir import to_canonical_aten, views_to_reshapes
+from .ir import carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes.pipeline import fuse_moe
 from .printer import format_graph
@@ -90,6 +90,7 @@ def rewrite_graph(
         fused = [dataclasses.replace(f, max_error=worst) for f in fused]
     record.fused.extend(fused)
     views_to_reshapes(canonical)
+    carry_dynamo_metadata(gm, canonical)
     if detail:
         record.rewritten = format_graph(canonical)
         _trace_artifact(f"moe_passes_graph_{record.index}_after", lambda: record.rewritten)

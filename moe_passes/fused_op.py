@@ -139,12 +139,13 @@ def _intermediate_size(name: str, weight: torch.Tensor, hidden: int, permuted: b
 def _routed_groups(
     table: torch.Tensor, router_weights: torch.Tensor, experts_min: int, count: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(local expert, token rows, router weights) for each expert of the range that received tokens.
+    """(local expert, pair slots, router weights) for each expert of the range that received tokens.
+
+    A slot is token * top_k + position in the token's routing row.
 
     Ids outside the range go to one extra bucket that is never run, so nothing but the counts
     leaves the device.
     """
-    top_k = table.shape[1]
     local = table.reshape(-1).long() - experts_min
     outside = (local < 0) | (local >= count)
     local = local.masked_fill(outside, count)
@@ -155,7 +156,7 @@ def _routed_groups(
     for expert, routed in enumerate(counts[:count]):
         if routed:
             slots = order[start : start + routed]
-            yield expert, slots // top_k, flat_weights[slots]
+            yield expert, slots, flat_weights[slots]
         start += routed
 
 
@@ -164,19 +165,31 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, permuted: bool) -> torch.Tens
     return F.linear(x, weight) if permuted else x @ weight
 
 
+def _sum_slots(per_slot: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T * k, H] float32 contributions in slot order -> [T, H]: a plain reduction over k.
+
+    Cheaper than `index_add_` into [T, H] (serial on CPU, atomic on CUDA) and the same float32 sum.
+    """
+    return per_slot.view(tokens, top_k, per_slot.shape[-1]).sum(1).to(dtype)
+
+
 def _combine(hidden_states, table, router_weights, experts_min: int, count: int, expert: ExpertFn):
     """sum over routed pairs of router_weight * expert(x), accumulated in float32."""
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    for index, rows, weights in _routed_groups(table, router_weights, experts_min, count):
-        y = expert(index, hidden_states.index_select(0, rows))
-        out.index_add_(0, rows, y.float() * weights.float().unsqueeze(-1))
-    return out.to(hidden_states.dtype)
+    tokens, top_k = table.shape
+    per_slot = torch.zeros(tokens * top_k, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+    for index, slots, weights in _routed_groups(table, router_weights, experts_min, count):
+        y = expert(index, hidden_states.index_select(0, slots // top_k))
+        per_slot[slots] = y.float() * weights.float().unsqueeze(-1)
+    return _sum_slots(per_slot, tokens, top_k, hidden_states.dtype)
 
 
 # The grouped path: when the per-expert weights are views of one stacked tensor (what the rewrite
 # emits: `unbind` of a stacked parameter), the stacked tensor is recovered without a copy and all
-# experts run in two grouped matmuls, with no host sync. Used on CUDA; the loop above is the fallback.
-GROUPED_DEVICES = {"cuda"}
+# experts run in two grouped matmuls, with no host sync. Used on CUDA (where the Triton kernel does not
+# apply) and CPU; the loop above is the fallback.
+GROUPED_DEVICES = {"cuda", "cpu"}
+GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}  # what each device's
+# torch._grouped_mm takes
 
 
 def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -210,7 +223,7 @@ def _grouped_fused(
     if (
         grouped_mm is None
         or hidden_states.device.type not in GROUPED_DEVICES
-        or hidden_states.dtype != torch.bfloat16
+        or hidden_states.dtype not in GROUPED_DTYPES.get(hidden_states.device.type, ())
     ):
         return None
     gate_up, down = _stacked_view(w12), _stacked_view(w3)
@@ -234,8 +247,8 @@ def _grouped_fused(
     weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
     # Rows past the last group are left unwritten by grouped_mm: select, never multiply, them away.
     contribution = torch.where(outside[order].unsqueeze(-1), 0.0, y.float() * weights)
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    return out.index_add_(0, rows, contribution).to(hidden_states.dtype)
+    per_slot = torch.empty_like(contribution).index_copy_(0, order, contribution)  # back to slot order
+    return _sum_slots(per_slot, *table.shape, hidden_states.dtype)
 
 
 def _swiglu_expert(gate_up: Callable, down: Sequence[torch.Tensor], act, permuted: bool) -> ExpertFn:

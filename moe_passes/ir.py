@@ -134,3 +134,31 @@ def views_to_reshapes(gm: torch.fx.GraphModule) -> None:
         ):
             node.target = torch.ops.aten.reshape.default
     gm.recompile()
+
+
+def carry_dynamo_metadata(captured: torch.fx.GraphModule, canonical: torch.fx.GraphModule) -> bool:
+    """Give `canonical` the metadata dynamo attached to `captured`, so AOTAutograd treats it as dynamo's.
+
+    AOTAutograd reads which inputs are parameters (static addresses) from that metadata; without it,
+    inductor's CUDA graphs (mode="reduce-overhead") copy every weight into the graph on each replay.
+    Carried only when it matches one to one (same placeholders, no new parameters or buffers);
+    returns whether it was carried.
+    """
+    if "dynamo_compile_id" not in captured.meta or not hasattr(captured, "_param_name_to_source"):
+        return False
+    old = captured.graph.find_nodes(op="placeholder")
+    new = canonical.graph.find_nodes(op="placeholder")
+    named = {name for name, _ in canonical.named_parameters(remove_duplicate=False)}
+    named |= {name for name, _ in canonical.named_buffers(remove_duplicate=False)}
+    if len(old) != len(new) or not named <= set(captured._param_name_to_source):
+        return False
+    if not all(hasattr(node, "_dynamo_source") for node in old):
+        return False
+    canonical.meta["dynamo_compile_id"] = captured.meta["dynamo_compile_id"]
+    canonical._param_name_to_source = captured._param_name_to_source
+    for before, after in zip(old, new, strict=True):
+        after._dynamo_source = before._dynamo_source
+        if "tensor_dict" in before.meta:
+            after.meta["tensor_dict"] = before.meta["tensor_dict"]
+    return True
+

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import moe_passes  # noqa: E402
 import patterns  # noqa: E402
-from moe_passes import reference  # noqa: E402
+from moe_passes import fused_op, reference  # noqa: E402
 
 FUSED_FORMS = [name for name, form in patterns.catalog().items() if form.EXPECTED.fused]
 
@@ -133,14 +133,27 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="check the portable op on the device first")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for CPU runs")
+    parser.add_argument(
+        "--cpu-path",
+        choices=["loop", "grouped"],
+        help="the portable op's CPU path: per-expert loop or two grouped matmuls over the stacked weights",
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_path == "grouped":
+        fused_op.GROUPED_DEVICES = fused_op.GROUPED_DEVICES | {"cpu"}
+    elif args.cpu_path == "loop":
+        fused_op.GROUPED_DEVICES = fused_op.GROUPED_DEVICES - {"cpu"}
     name = (
         torch.cuda.get_device_name()
         if args.device.startswith("cuda")
         else f"CPU ({torch.get_num_threads()} threads)"
     )
-    print(f"device: {name}, torch {torch.__version__}, dtype {args.dtype}, inner {args.inner}")
+    path = "grouped" if "cpu" in fused_op.GROUPED_DEVICES else "loop"
+    print(f"device: {name}, torch {torch.__version__}, dtype {args.dtype}, inner {args.inner}, CPU op path {path}")
     if args.check:
         check_op(args.device)
     sizes = dict(

@@ -93,19 +93,25 @@ def build(name: str, sizes: dict):
     return blocks
 
 
-def variants(blocks: dict, source: str) -> dict:
-    inductor = lambda m: torch.compile(m, backend="inductor")  # noqa: E731
+def variants(blocks: dict, source: str, mode: str) -> dict:
+    """`mode` "reduce-overhead" replays CUDA graphs (inductor's cudagraph trees): no host work per call."""
+    inductor = lambda m: torch.compile(m, backend="inductor", mode=mode)  # noqa: E731
+    if mode == "reduce-overhead":  # torch.compile takes mode or options: hpu_moe's defaults are inductor+portable
+        rewritten = torch.compile(blocks[source], backend=moe_passes.hpu_moe, mode=mode)
+    else:
+        rewritten = torch.compile(
+            blocks[source], backend=moe_passes.hpu_moe, options={"inner": "inductor", "target": "portable"}
+        )
     return {
         "eager loop": blocks["eager loop"],
         "grouped_mm+inductor": inductor(blocks["grouped_mm"]),
         "batched_mm+inductor": inductor(blocks["batched_mm"]),
         "static loop+inductor": inductor(blocks["static loop"]),
-        REWRITTEN: torch.compile(blocks[source], backend=moe_passes.hpu_moe,
-                                 options={"inner": "inductor", "target": "portable"}),
+        REWRITTEN: rewritten,
     }
 
 
-def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float) -> list[dict]:
+def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float, mode: str) -> list[dict]:
     blocks = build(name, sizes)
     source = None
     with torch.no_grad():  # the first original form the installed transformers lets hpu_moe fuse
@@ -120,7 +126,7 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
                 source = form
     assert source is not None, "hpu_moe fused none of the forms"
     torch._dynamo.reset()
-    fns = variants(blocks, source)
+    fns = variants(blocks, source, mode)
     rows = []
     for tokens in tokens_list:
         g = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -159,6 +165,7 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
 
 def markdown(result: dict) -> str:
     lines = [f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, bfloat16, "
+             f"torch.compile mode {result.get('mode', 'default')!r}, "
              f"{result['date']}; HBM {result['ceilings']['hbm_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
              f"{result['ceilings']['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s measured in the same run.", "",
              "| model | T | limit ms | " + " | ".join(f"{f} ms" for f in ORIGINAL) + f" | {REWRITTEN} ms | "
@@ -194,7 +201,8 @@ def plot(result: dict, path: str) -> None:
         ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time / physical limit", title=model)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"One MoE layer, bf16, {result['device']} ({result['date']})", fontsize=10)
+    fig.suptitle(f"One MoE layer, bf16, compile mode {result.get('mode', 'default')!r}, {result['device']} "
+                 f"({result['date']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -204,6 +212,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     parser.add_argument("--budget-s", type=float, default=480, help="skip variants once this many seconds passed")
+    parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"],
+                        help="torch.compile mode of every compiled variant")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.add_argument("--markdown")
@@ -216,11 +226,11 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "transformers": transformers.__version__, "date": datetime.date.today().isoformat(),
               "command": "python tools/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "ceilings": ceilings, "rows": []}
+              "mode": args.mode, "ceilings": ceilings, "rows": []}
     print(f"{result['device']}: HBM {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
-        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline)
+        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode)
     text = markdown(result)
     print(text)
     if args.json:
