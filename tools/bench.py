@@ -98,7 +98,7 @@ def bench_form(name: str, sizes: dict, device: str, dtype: torch.dtype, inner: s
     model = model.to(device)
     inputs = tuple(t.to(device) for t in inputs)
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), patterns.dynamo_config(patterns.catalog()[name]):
         variants = {
             "eager": model,
             inner: torch.compile(model, backend=inner),
