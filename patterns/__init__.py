@@ -18,6 +18,8 @@ FORMS = (
     "hf_grouped_mm",
     "hf_batched_mm",
     "hf_transposed_experts",
+    "hf517_grouped_mm",
+    "hf517_batched_mm",
     "gpt_oss_experts",
     "qwen2_shared_expert",
     "deepseek_v3_routing",

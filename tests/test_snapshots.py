@@ -185,6 +185,44 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
             },
         )
 
+    def test_hf517_grouped_mm_sentinel_masks_are_gone(self):
+        """transformers 5.17's sentinel masks and id clamp are inside the replaced region."""
+        self.assertExpectedInline(format_graph(rewritten_graph("hf517_grouped_mm")), """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._to_copy(%4, dtype=float32)
+  %6 = aten._softmax(%5, -1, False)
+  %7 = aten.topk(%6, 2)
+  %8 = getitem(%7, 0)
+  %9 = getitem(%7, 1)
+  %10 = aten.sum.dim_IntList(%8, [-1], True)
+  %11 = aten.div.Tensor(%8, %10)
+  %12 = aten._to_copy(%11, dtype=bfloat16)
+  %13 = aten.unbind.int(in4, 0)
+  %14 = aten.unbind.int(in5, 0)
+  %15 = moe_passes.mixture_of_experts.fused_weights(%2, %9, %12, %13[0:4], %14[0:4], True, 'silu', 0, 3)
+  %16 = aten.reshape(%15, [1, 6, 16])
+  %17 = aten.add.Tensor(in2, %16)
+  return [%17]""")
+
+    def test_hf517_batched_mm_id_clamp_is_gone(self):
+        self.assertExpectedInline(format_fused_calls(rewritten_graph("hf517_batched_mm")), """\
+graph(in0, in1, in2, in3):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten.sum.dim_IntList(%3, [-1], True)
+  %6 = aten.div.Tensor(%3, %5)
+  %7 = aten.unbind.int(in2, 0)
+  %8 = aten.unbind.int(in3, 0)
+  %9 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %6, %7[0:4], %8[0:4], True, 'silu', 0, 3)""")
+
     def test_hf_transposed_experts(self):
         self.assertExpectedInline(
             format_fused_calls(rewritten_graph("hf_transposed_experts")),

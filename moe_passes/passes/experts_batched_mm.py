@@ -20,6 +20,7 @@ from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate
+from .sentinels import through_id_clamp
 
 aten = torch.ops.aten
 FORM = "batched_mm"
@@ -125,13 +126,14 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     hidden_states = _repeated_rows(_first_expand(rows), top_k)
     if hidden_states is None:
         return no("the batched rows are not the tokens repeated k times (repeat_interleave)", rows)
-    ids = slot_table(down_ids, top_k)
-    weights = slot_table(slot_weights, top_k, through_casts=True)
-    if ids is None or weights is None or shape(weights) != shape(ids):
-        return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
     num_experts = const_int(shape(gate_up_w)[0])
     if const_int(shape(down_w)[0]) != num_experts:
         return no("gate/up and down stacks hold different numbers of experts", down_w)
+    unclamped_ids = through_id_clamp(down_ids, num_experts)
+    ids = slot_table(unclamped_ids if unclamped_ids is not None else down_ids, top_k)
+    weights = slot_table(slot_weights, top_k, through_casts=True)
+    if ids is None or weights is None or shape(weights) != shape(ids):
+        return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
     output = out
     users = list(out.users)
     if len(users) == 1 and is_cast(users[0]):
@@ -148,4 +150,5 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         gate_up=ExpertWeights(stacked=gate_up_w, out_in=up_out_in),
         down=ExpertWeights(stacked=down_w, out_in=down_out_in),
         **bias_fields(swiglu, up_bias, down_bias),
+        assumes_ids_in_range=unclamped_ids is not None,
     )

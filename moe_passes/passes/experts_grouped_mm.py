@@ -30,6 +30,7 @@ from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate
+from .sentinels import through_id_clamp, through_sentinel_mask
 
 aten = torch.ops.aten
 FORM = "grouped_mm"
@@ -94,7 +95,22 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
 
     if not is_call(weighted, aten.mul.Tensor):
         return no("routing weights do not scale the expert outputs", weighted)
-    down_out, slot_weights = _split_product(weighted)
+    bounds: list[int] = []  # the expert count each sentinel mask tests against (transformers 5.17)
+
+    def unmask(node: Node) -> Node:
+        source, bound = through_sentinel_mask(node, perm)
+        if bound is not None:
+            bounds.append(bound)
+        return source
+
+    def unclamp(ids: Node, num_experts: int | None) -> Node:
+        source = through_id_clamp(ids, num_experts)
+        if source is None:
+            return ids
+        bounds.append(num_experts)
+        return source
+
+    down_out, slot_weights = _split_product(weighted, unmask)
     down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
     if down_mm is None or not is_grouped_mm(down_mm):
         return no("routing weights do not multiply the output of the down projection", weighted)
@@ -107,9 +123,11 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     if isinstance(gate, str):
         return no(gate, down_in)
     swiglu, activation, gate_up_out = gate.swiglu, gate.activation, gate.gate_up_output
-    gate_up_mm, up_bias, up_bias_ids = _with_bias(gate_up_out)
+    gate_up_mm, up_bias, up_bias_ids = _with_bias(unmask(gate_up_out))
     if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
         return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_out)
+    if swiglu is not None:  # transformers 5.17 gathers biases with sorted ids clamped to 0..E-1
+        up_bias_ids, down_bias_ids = (unclamp(ids, _offsets_bins(offs)) for ids in (up_bias_ids, down_bias_ids))
     if swiglu is not None and not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
         return no("expert biases are not gathered with the sorted expert ids", up_bias_ids)
     if not is_grouped_mm(gate_up_mm):
@@ -122,7 +140,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     if ids_flat is None:
         return no("group offsets are not the per-expert counts of the sorted ids", offs)
     num_experts = _offsets_bins(offs)
-    hidden_states = _rows_source(rows, perm, top_k)
+    hidden_states = _rows_source(unmask(rows), perm, top_k)
     if hidden_states is None:
         return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", rows)
     ids, weights = slot_table(ids_flat, top_k), slot_table(flat_weights, top_k)
@@ -135,6 +153,8 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no("expert weights are not stacked [E, ., .] tensors", gate_up_w)
     if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:
         return no("the number of stacked experts differs from the histogram bins", offs)
+    if any(bound != num_experts for bound in bounds):
+        return no("rows are masked against another expert count than the experts held", offs)
     return ExpertsMatch(
         form=FORM,
         output=_final_output(out),
@@ -147,6 +167,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         gate_up=ExpertWeights(stacked=gate_up, out_in=gate_up_out_in),
         down=ExpertWeights(stacked=down, out_in=down_out_in),
         **bias_fields(swiglu, up_bias, down_bias),
+        assumes_ids_in_range=bool(bounds),
     )
 
 
@@ -158,10 +179,10 @@ def _final_output(out: Node) -> Node:
     return out
 
 
-def _split_product(mul: Node) -> tuple[Node | None, Node | None]:
+def _split_product(mul: Node, unmask) -> tuple[Node | None, Node | None]:
     """(down projection output, routing weights) of mul(grouped_mm [+ bias], w)."""
     for a, b in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
-        a_src = strip_casts(a) if isinstance(a, Node) else None
+        a_src = unmask(strip_casts(a)) if isinstance(a, Node) else None
         if a_src is not None and is_grouped_mm(_with_bias(a_src)[0]) and isinstance(b, Node):
             return a_src, b
     return None, None

@@ -77,6 +77,9 @@ class ExpertsMatch:
     # Global id of the first expert held: a loop over a contiguous range of the router's experts (one
     # rank's share under expert parallelism) holds experts_min .. experts_min + num_experts - 1.
     experts_min: int = 0
+    # The region clamps or masks ids outside 0..E-1 (transformers 5.17's expert-parallel sentinels). That
+    # equals the kernel only when every id is one of the experts held, which the routing must show.
+    assumes_ids_in_range: bool = False
 
     @property
     def experts_max(self) -> int:

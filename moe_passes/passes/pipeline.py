@@ -112,6 +112,11 @@ def check(match: ExpertsMatch) -> str | None:
                 f"the router scores {info.num_experts} experts but the region holds experts "
                 f"{match.experts_min}..{match.experts_max}"
             )
+    if match.assumes_ids_in_range and info.num_experts != match.num_experts:
+        return (
+            "the experts clamp or mask ids outside 0..E-1 (expert-parallel sentinels), and the routing does "
+            "not show that every id is one of the experts held (top-k over exactly E router columns)"
+        )
     # Sizes are read through their hints (const_int): int() on a SymInt would add a guard and make
     # dynamo recompile for every new token count.
     hidden, ids = shape(match.hidden), shape(match.ids)
