@@ -105,3 +105,20 @@ def test_kernel_matches_the_reference(permuted, activation, tokens, experts, top
     actual = torch.ops.moe_passes.mixture_of_experts.default(*default)
     expected = mixture_of_experts_reference(*default)
     assert ((actual.float() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is not available")
+def test_cpu_takes_the_grouped_path_only_for_few_rows_per_expert():
+    from moe_passes import fused_op
+
+    experts, top_k = 4, 2
+    w12 = list((torch.randn(experts, 64, 32) / 8).unbind(0))
+    w3 = list((torch.randn(experts, 32, 32) / 8).unbind(0))
+    for tokens, grouped in ((8, True), (fused_op.CPU_GROUPED_MAX_ROWS * experts, False)):
+        table = routing_table(tokens, experts, top_k, tokens)
+        x, w = torch.randn(tokens, 32), torch.rand(tokens, top_k)
+        result = fused_op._grouped_fused(x, table, w, w12, w3, True, torch.nn.functional.silu, 0, experts)
+        assert (result is not None) == grouped
+        args = (x, table, w, w12, w3, True, "silu", 0, experts - 1)
+        expected = mixture_of_experts_fused_weights_reference(*args)
+        torch.testing.assert_close(torch.ops.moe_passes.mixture_of_experts.fused_weights(*args), expected)
