@@ -81,7 +81,9 @@ def test_cpu_tensors_never_take_the_kernel():
 @pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("permuted", [True, False])
 @pytest.mark.parametrize("activation", ["silu", "gelu", "relu"])
-@pytest.mark.parametrize("tokens, experts, top_k, experts_min, held", [(1, 8, 2, 0, 8), (300, 16, 4, 4, 8)])
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, experts_min, held", [(1, 8, 2, 0, 8), (300, 16, 4, 4, 8), (1100, 16, 4, 0, 16)]
+)
 def test_kernel_matches_the_reference(permuted, activation, tokens, experts, top_k, experts_min, held):
     triton_moe = kernels.triton_kernels()
     table = routing_table(tokens, experts, top_k, tokens, "cuda")

@@ -59,22 +59,23 @@ def _align_counts(
         tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + pairs, mask=offs < blocks * BLOCK_M)
     if SCATTER:  # few pairs (one chunk): place them here too and save a launch
         tl.debug_barrier()
-        offs = tl.arange(0, CHUNK)
-        inside = offs < pairs
-        local = tl.load(table_ptr + offs, mask=inside, other=-1).to(tl.int32) - experts_min
-        keep = inside & (local >= 0) & (local < experts)
-        slot = tl.atomic_add(cursor_ptr + local, 1, mask=keep)
-        tl.store(sorted_ptr + slot, offs, mask=keep)
+        _place_pairs(table_ptr, cursor_ptr, sorted_ptr, tl.arange(0, CHUNK), pairs, experts_min, experts)
 
 
 @triton.jit
-def _align_scatter(table_ptr, cursor_ptr, sorted_ptr, pairs, experts_min, experts, CHUNK: tl.constexpr):
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+def _place_pairs(table_ptr, cursor_ptr, sorted_ptr, offs, pairs, experts_min, experts):
+    """Each in-range pair `offs` takes the next row of its expert's group (an atomic cursor per expert)."""
     inside = offs < pairs
     local = tl.load(table_ptr + offs, mask=inside, other=-1).to(tl.int32) - experts_min
     keep = inside & (local >= 0) & (local < experts)
     slot = tl.atomic_add(cursor_ptr + local, 1, mask=keep)
     tl.store(sorted_ptr + slot, offs, mask=keep)
+
+
+@triton.jit
+def _align_scatter(table_ptr, cursor_ptr, sorted_ptr, pairs, experts_min, experts, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    _place_pairs(table_ptr, cursor_ptr, sorted_ptr, offs, pairs, experts_min, experts)
 
 
 @triton.jit
