@@ -249,3 +249,34 @@ def test_routing_weights_used_outside_the_block_do_not_stop_the_rewrite():
     report, output, recorder = run_hpu_moe(model, inputs)
     assert len(recorder.fused_nodes()) == 1, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("name", ["modulelist_dense_mask", "static_dense_loop"])
+def test_an_odd_last_expert_is_not_split_off_like_a_shared_expert(name):
+    """A shared expert added after a dense loop stays beside the fused call; the loop's own last
+    expert, weighted by the routing, is part of the region: an odd one declines the whole region."""
+    form = FORMS[name]
+    model, inputs = form.build(layers=1)
+    moe = model.moes[0]
+    if name == "modulelist_dense_mask":
+        moe.experts[-1].act = F.relu
+    else:
+        moe.forward = types.MethodType(_last_expert_odd, moe)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert not recorder.fused_nodes(), str(report)
+    assert report.declined, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def _last_expert_odd(self, x):
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, ids = self.router(x)
+    padded = self.padded_routing_weights(ids, weights, x)
+    out = torch.zeros_like(x)
+    for e in range(self.num_experts):
+        h = silu_and_mul(expert_matmul(x, self.w13_weight, e))
+        if e == self.num_experts - 1:
+            h = F.relu(h)  # an extra non-linearity in the last expert only
+        out = out + expert_matmul(h, self.w2_weight, e) * padded[e].reshape(-1, 1)
+    return out.view(shape)

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, dtype, is_call, is_getitem, shape, strip_casts, strip_shape_ops
+from ..fx_utils import (
+    backward_slice,
+    const_int,
+    dtype,
+    is_call,
+    is_getitem,
+    shape,
+    strip_casts,
+    strip_shape_ops,
+)
 from . import probe
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import Projection, activation_of, gated_product, halves, projection
@@ -177,7 +186,9 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
 
 def _match_peeling_last_term(root: Node, members: list[ExpertTerm], terms: dict) -> ExpertsMatch | Decline:
     """The match for the whole sum, else for the sum without its last addend (a shared expert added
-    after the loop, `out + shared(x)`), which then stays beside the fused call; else the first decline.
+    after the loop, `out + shared(x)` or Qwen2-MoE's `sigmoid(g(x)) * shared(x)`), which then stays
+    beside the fused call; else the first decline. An addend weighted by the routing itself (an odd
+    routed expert) is never peeled off: that region is declined as a whole.
     """
     result = match_terms(root, members)
     if isinstance(result, ExpertsMatch) or not is_call(root, aten.add.Tensor):
@@ -189,7 +200,12 @@ def _match_peeling_last_term(root: Node, members: list[ExpertTerm], terms: dict)
     if len(rest) != len(members) - 1 or len(rest) < 2:
         return result
     peeled = match_terms(inner, rest)
-    return peeled if isinstance(peeled, ExpertsMatch) else result
+    if not isinstance(peeled, ExpertsMatch):
+        return result
+    coefficient = terms[last].coefficient
+    if coefficient is not None and peeled.ids in backward_slice(coefficient, ()):
+        return result
+    return peeled
 
 
 def _activation_node(term: ExpertTerm) -> Node:
