@@ -40,7 +40,7 @@ def test_fuzzed_moe_blocks_are_fused_and_equal_or_declined_with_a_reason():
     check()
     print(f"fuzz: {sum(kinds.values())} cases: {dict(kinds)}")
     assert sum(kinds.values()) >= BUDGET
-    assert kinds["fused"] > BUDGET // 3 and kinds["declined"] > 0, dict(kinds)
+    assert kinds["fused"] > BUDGET // 4 and kinds["declined"] > 0, dict(kinds)  # not vacuous
 
 
 REGRESSIONS = [
