@@ -24,6 +24,17 @@ class Fused:
     max_error: float | None = (
         None  # with options verify=True: the graph's output difference after the rewrite
     )
+    # Expert parallelism: the region holds experts experts_min .. experts_min + num_experts - 1 of the
+    # router's router_experts (None: the router's width is unknown or equal to num_experts).
+    experts_min: int = 0
+    router_experts: int | None = None
+
+    def experts_text(self) -> str:
+        """"8 experts", or "2 experts (ids 2..3 of 4)" for one rank's share of the router's experts."""
+        if self.router_experts is None or self.router_experts == self.num_experts:
+            return f"{self.num_experts} experts"
+        last = self.experts_min + self.num_experts - 1
+        return f"{self.num_experts} experts (ids {self.experts_min}..{last} of {self.router_experts})"
 
 
 @dataclass(frozen=True)
@@ -211,7 +222,7 @@ class Report:
         for f in self.fused:
             error = f", verified max error {f.max_error:.2g}" if f.max_error is not None else ""
             lines.append(
-                f"    [graph {f.graph}] {f.layer}: {f.form}, {f.num_experts} experts, top-{f.top_k}, "
+                f"    [graph {f.graph}] {f.layer}: {f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"
             )
         lines.append(f"  declined candidates: {len(self.declined)}")

@@ -245,6 +245,8 @@ def fuse_moe(
                 target=target,
                 routing=_routing_text(candidate),
                 graph=graph_index,
+                experts_min=candidate.experts_min,
+                router_experts=routing.describe(candidate.ids, candidate.weights).num_experts,
             )
         )
         log.debug("fused %s (%s) into %s", name, candidate.form, node.target)
