@@ -53,14 +53,18 @@ def adapters_active() -> bool:
     Dynamo guards every compiled frame on the backend that compiled it, so a constant taken for one
     backend never serves another.
     """
-    if not torch.compiler.is_compiling() or not env_enabled():
+    if not env_enabled():
         return False
+    # The translator being tracing is the test, not torch.compiler.is_compiling(): dynamo runs this
+    # function in plain Python, where older torch versions report is_compiling() as False.
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
+        if tx is None:
+            return False
         options = _hpu_moe_options_of(tx.output.compiler_fn)
-    except Exception:  # noqa: BLE001 - another torch's internals: keep the original forward
+    except Exception:  # noqa: BLE001 - not tracing, or another torch's internals: keep the original forward
         return False
     if options is None:
         return False
