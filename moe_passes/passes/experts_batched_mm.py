@@ -129,8 +129,8 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     num_experts = const_int(shape(gate_up_w)[0])
     if const_int(shape(down_w)[0]) != num_experts:
         return no("gate/up and down stacks hold different numbers of experts", down_w)
-    unclamped_ids = through_id_clamp(down_ids, num_experts)
-    ids = slot_table(unclamped_ids if unclamped_ids is not None else down_ids, top_k)
+    unclamped_ids, ids_clamped = through_id_clamp(down_ids, num_experts)
+    ids = slot_table(unclamped_ids, top_k)
     weights = slot_table(slot_weights, top_k, through_casts=True)
     if ids is None or weights is None or shape(weights) != shape(ids):
         return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
@@ -150,5 +150,5 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         gate_up=ExpertWeights(stacked=gate_up_w, out_in=up_out_in),
         down=ExpertWeights(stacked=down_w, out_in=down_out_in),
         **bias_fields(swiglu, up_bias, down_bias),
-        assumes_ids_in_range=unclamped_ids is not None,
+        assumes_ids_in_range=ids_clamped,
     )

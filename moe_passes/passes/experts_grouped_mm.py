@@ -103,13 +103,6 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
             bounds.append(bound)
         return source
 
-    def unclamp(ids: Node, num_experts: int | None) -> Node:
-        source = through_id_clamp(ids, num_experts)
-        if source is None:
-            return ids
-        bounds.append(num_experts)
-        return source
-
     down_out, slot_weights = _split_product(weighted, unmask)
     down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
     if down_mm is None or not is_grouped_mm(down_mm):
@@ -119,6 +112,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no("routing weights are not permuted like the tokens", slot_weights)
 
     down_in, down_w, offs = _grouped_args(down_mm)
+    num_experts = _offsets_bins(offs)
     gate = stacked_gate(down_in)
     if isinstance(gate, str):
         return no(gate, down_in)
@@ -126,8 +120,11 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     gate_up_mm, up_bias, up_bias_ids = _with_bias(unmask(gate_up_out))
     if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
         return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_out)
+    biases_clamped = False
     if swiglu is not None:  # transformers 5.17 gathers biases with sorted ids clamped to 0..E-1
-        up_bias_ids, down_bias_ids = (unclamp(ids, _offsets_bins(offs)) for ids in (up_bias_ids, down_bias_ids))
+        up_bias_ids, up_clamped = through_id_clamp(up_bias_ids, num_experts)
+        down_bias_ids, down_clamped = through_id_clamp(down_bias_ids, num_experts)
+        biases_clamped = up_clamped or down_clamped
     if swiglu is not None and not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
         return no("expert biases are not gathered with the sorted expert ids", up_bias_ids)
     if not is_grouped_mm(gate_up_mm):
@@ -139,7 +136,6 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     ids_flat = _offsets_source(offs, perm)
     if ids_flat is None:
         return no("group offsets are not the per-expert counts of the sorted ids", offs)
-    num_experts = _offsets_bins(offs)
     hidden_states = _rows_source(unmask(rows), perm, top_k)
     if hidden_states is None:
         return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", rows)
@@ -167,7 +163,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         gate_up=ExpertWeights(stacked=gate_up, out_in=gate_up_out_in),
         down=ExpertWeights(stacked=down, out_in=down_out_in),
         **bias_fields(swiglu, up_bias, down_bias),
-        assumes_ids_in_range=bool(bounds),
+        assumes_ids_in_range=bool(bounds) or biases_clamped,
     )
 
 

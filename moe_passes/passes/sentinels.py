@@ -18,16 +18,16 @@ from ..fx_utils import const_int, is_call, is_getitem, strip_casts, strip_shape_
 aten = torch.ops.aten
 
 
-def through_id_clamp(ids: Node, num_experts: int | None) -> Node | None:
-    """The ids before `clamp(ids, 0, E - 1)` (or `clamp(max=E - 1)`), or None when there is no such clamp."""
+def through_id_clamp(ids: Node, num_experts: int | None) -> tuple[Node, bool]:
+    """(x, True) when ids = `clamp(x, 0, E - 1)` (or `clamp(x, max=E - 1)`); (ids, False) otherwise."""
     node = strip_shape_ops(ids)
     if not is_call(node, aten.clamp.default) or num_experts is None:
-        return None
+        return ids, False
     low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
     high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
     if low not in (None, 0) or const_int(high) != num_experts - 1:
-        return None
-    return node.args[0]
+        return ids, False
+    return node.args[0], True
 
 
 def through_sentinel_mask(node: Node, perm: Node) -> tuple[Node, int | None]:
