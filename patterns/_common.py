@@ -94,14 +94,17 @@ class Router(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with nn.Linear projections (gate_proj / up_proj / down_proj names)."""
+    """down(act(gate(x)) * up(x)) with nn.Linear projections (gate_proj / up_proj / down_proj names).
 
-    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
+    `activation` is a name from ACTIVATIONS or the function itself (for activations the catalog lacks).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, activation="silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = ACTIVATIONS[activation]
+        self.act = ACTIVATIONS[activation] if isinstance(activation, str) else activation
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

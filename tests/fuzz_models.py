@@ -25,6 +25,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from moe_passes.backend import hpu_moe
 from moe_passes.printer import is_fused_moe
 from moe_passes.report import collecting
+from patterns._common import GatedMLP
 from patterns.hf_batched_mm import batched_linear
 from patterns.hf_grouped_mm import _grouped_mm, _tokens_per_expert
 from patterns.near_miss_data_dependent_loop import eager_experts_forward
@@ -187,20 +188,6 @@ class Router(nn.Module):
         return weights.to(x.dtype), ids
 
 
-class ExpertMLP(nn.Module):
-    """One gated expert with nn.Linear projections (the ModuleList storage)."""
-
-    def __init__(self, hidden: int, intermediate: int, activation: str):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = ACTIVATIONS[activation]
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Experts(nn.Module):
     """The experts' weights in one of four storages, and `mlp(e, x)` for a single expert."""
 
@@ -213,7 +200,7 @@ class Experts(nn.Module):
         self.is_transposed = case.storage == "transposed"
         self.has_bias = False
         if case.storage == "modulelist":
-            self.experts = nn.ModuleList(ExpertMLP(h, i, case.activation) for _ in range(e))
+            self.experts = nn.ModuleList(GatedMLP(h, i, ACTIVATIONS[case.activation]) for _ in range(e))
         elif case.storage == "separate":
             self.gate = nn.Parameter(torch.empty(e, i, h))
             self.up = nn.Parameter(torch.empty(e, i, h))
@@ -311,7 +298,7 @@ class FuzzMoE(nn.Module):
         self.experts = Experts(case)
         self.forward_experts = EXPERT_FORWARDS[case.experts]
         if case.shared != "none":
-            self.shared_expert = ExpertMLP(case.hidden, case.intermediate, "silu")
+            self.shared_expert = GatedMLP(case.hidden, case.intermediate, "silu")
             self.shared_gate = nn.Linear(case.hidden, 1, bias=False)
 
     def forward(self, x):
