@@ -21,12 +21,24 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_test_one():
     assert test in ci
 
 
-def test_torch_is_pinned_and_test_tools_are_extras_only():
+def runtime_requirements() -> list[str]:
     text = (ROOT / "pyproject.toml").read_text()
-    dependencies = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S).group(1)
-    assert '"torch==' in dependencies
-    assert "transformers" not in dependencies
+    block = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S).group(1)
+    return re.findall(r'"([^"]+)"', block)
+
+
+def test_test_tools_are_extras_only_and_the_backend_is_an_entry_point():
+    requirements = " ".join(runtime_requirements())
+    assert "transformers" not in requirements and "pytest" not in requirements
+    text = (ROOT / "pyproject.toml").read_text()
     assert 'hpu_moe = "moe_passes.backend:hpu_moe"' in text
+
+
+def test_development_commands_take_the_cpu_wheel_through_the_constraints_file():
+    constraints = (ROOT / "dev-constraints.txt").read_text()
+    assert re.search(r"^torch==\d+\.\d+\.\d+$", constraints, re.M)
+    for command in readme_commands():
+        assert "-c dev-constraints.txt" in command
 
 
 def test_patterns_and_tools_are_not_installed_as_top_level_packages():
