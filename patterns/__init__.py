@@ -25,6 +25,7 @@ FORMS = (
     "deepseek_v3_routing",
     "hf4_sparse_loop",
     "mixtral4_sparse_loop",
+    "hf4_hit_expert_loop",
     "expert_parallel_sparse_loop",
     "near_miss_input_scaled",
     "near_miss_mixed_activation",

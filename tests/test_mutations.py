@@ -24,7 +24,9 @@ from patterns.static_dense_loop import StaticMoE, expert_matmul, silu_and_mul
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 FORMS = catalog()
-FUSED = [name for name, form in FORMS.items() if form.EXPECTED.fused]
+# Forms captured only through an adapter have their own near misses (tests/test_hit_expert_loops.py):
+# the mutated forwards here are written as the range(E) loop, not as the adapted source.
+FUSED = [name for name, form in FORMS.items() if form.EXPECTED.fused and not getattr(form, "ADAPTER", None)]
 TAP = 0.1  # the weight of a value tapped out of the MoE region
 
 COMMON = ("weights_before_mlp", "expert_output_escapes", "weight_intermediate_escapes", "other_activation")

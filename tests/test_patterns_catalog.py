@@ -74,6 +74,7 @@ def test_catalog_lists_the_forms_in_a_stable_order():
         "deepseek_v3_routing",
         "hf4_sparse_loop",
     "mixtral4_sparse_loop",
+    "hf4_hit_expert_loop",
     "expert_parallel_sparse_loop",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",
@@ -111,7 +112,8 @@ def test_default_build_runs_and_compiles_as_its_docstring_says(name):
     torch._dynamo.reset()
     with torch.no_grad(), dynamo_config(form):
         explanation = torch._dynamo.explain(model)(*inputs)
-        if form.EXPECTED.graph_breaks:
+        if form.EXPECTED.graph_breaks or getattr(form, "ADAPTER", None):
+            # an adapted form breaks plain dynamo: the adapter is needed, not decorative
             assert explanation.graph_break_count > 0
             return
         compiled = torch.compile(model, backend="eager", fullgraph=True)(*inputs)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from . import vllm_style
+from . import hit_expert_loops, vllm_style
 from .base import env_enabled, install
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,10 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
     adapted = []
     for cls in classes:
         if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
+            adapted.append(f"{cls.__module__}.{cls.__qualname__}")
+        elif (forward := hit_expert_loops.traceable_forward_of(cls)) is not None and install(
+            cls, forward, hit_expert_loops.NAME
+        ):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
     from . import vllm
 

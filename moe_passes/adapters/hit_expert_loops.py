@@ -1,0 +1,565 @@
+"""The adapter for loops over the experts that were hit (transformers 4.45+ sparse MoE blocks).
+
+    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()      # [n_hit, 1]
+    for expert_idx in expert_hit:
+        expert_layer = self.experts[expert_idx]
+        idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+        ...
+        final_hidden_states.index_add_(0, top_x, current_hidden_states)
+
+Dynamo cannot iterate a tensor whose length depends on the data, so such a block is never captured
+(the frame falls back to eager). The adapted forward is the same function with that loop running over
+EVERY row of the hit test (`expert_hit` becomes `arange(E)[:, None]`, what `nonzero` gives when every
+expert is hit) and the module list indexed with the Python int; the loop body is unchanged.
+
+Why that is the same computation (checked on the source before a class is adapted, else it is left
+as written and the reason logged): the body's only effect is one accumulation into a tensor defined
+before the loop, at rows `torch.where(M[e])` (or `M[e].nonzero()`), where the hit test is
+`M.sum(dims) > 0` over the non-leading dims of a one-hot M (so non-negative) or `M.any(dims)`. For an
+expert the original loop skips, the test is false, so M[e] has no non-zero entry, the rows are empty and
+the accumulation adds nothing; every other statement only binds names local to one iteration. The
+element bound to the loop variable is the same [1]-shaped int64 tensor as before, so indexing with it
+keeps its shapes (top-1 routing included). Whether the hit test really reduced every non-leading
+dimension is checked when the loop is traced; where it did not, the original `nonzero` is kept.
+
+`torch.where(M[e])` has a data-dependent size: while the adapted forward is traced, dynamo's
+`capture_dynamic_output_shape_ops` is turned on for that compile (and restored when it ends), so the
+loop becomes one graph that the sparse-loop finder fuses.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import logging
+import textwrap
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "loop over the hit experts (all experts while traced)"
+_HELPERS = "__moe_passes_loop_helpers"
+_INDEX = "__moe_passes_expert"
+_ALL = "__moe_passes_all_rows"
+_ACCUMULATORS = {"index_add_", "index_put_"}
+_VIEW_METHODS = {"permute", "transpose", "view", "reshape", "contiguous", "to", "int", "long", "bool", "float"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HitLoop:
+    """One `for <var> in <hit>:` loop that can run over every expert instead."""
+
+    line: int
+    var: str
+    hit: str  # the name bound to `<test>.nonzero()`
+    mask: str  # M in the hit test and in the body's torch.where(M[var])
+
+
+class NotAdaptable(Exception):
+    """The source does not prove the loop equivalent; the message names the construct and its line."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading the source
+
+
+def _function_source(fn) -> tuple[ast.FunctionDef, str, int]:
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
+    except (OSError, TypeError) as exc:
+        raise NotAdaptable(f"source of {fn.__qualname__} is not available ({exc})") from None
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    fn_def = tree.body[0]
+    if not isinstance(fn_def, ast.FunctionDef):
+        raise NotAdaptable(f"{fn.__qualname__} is not a plain function definition")
+    ast.increment_lineno(tree, first - 1)
+    return fn_def, filename, first
+
+
+def _walk_function(fn_def: ast.FunctionDef):
+    """Nodes of the function body, not descending into nested functions, lambdas or classes."""
+    stack = list(fn_def.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+                stack.append(child)
+
+
+def _stored_names(target: ast.AST) -> list[str]:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Tuple | ast.List):
+        return [n for element in target.elts for n in _stored_names(element)]
+    if isinstance(target, ast.Starred):
+        return _stored_names(target.value)
+    raise NotAdaptable(f"line {target.lineno}: assignment to {ast.dump(target)[:40]} (only names allowed)")
+
+
+def _assignments(fn_def: ast.FunctionDef) -> dict[str, list[ast.Assign]]:
+    found: dict[str, list[ast.Assign]] = {}
+    for node in _walk_function(fn_def):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in _names_in_target(target):
+                    found.setdefault(name, []).append(node)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.For | ast.With | ast.NamedExpr):
+            targets = [node.target] if not isinstance(node, ast.With) else [
+                item.optional_vars for item in node.items if item.optional_vars is not None
+            ]
+            for target in targets:
+                for name in _names_in_target(target):
+                    found.setdefault(name, []).append(node)
+    return found
+
+
+def _names_in_target(target: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+
+
+def _call_name(call: ast.AST) -> str | None:
+    """`torch.nn.functional.one_hot(...)` -> "one_hot"; `x.nonzero()` -> "nonzero"."""
+    if not isinstance(call, ast.Call):
+        return None
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _nonzero_operand(value: ast.AST) -> ast.AST | None:
+    """C when `value` is `C.nonzero()` or `torch.nonzero(C)` (index rows, not the as_tuple form)."""
+    if _call_name(value) != "nonzero" or value.keywords:
+        return None
+    if isinstance(value.func, ast.Attribute) and not value.args:
+        base = value.func.value
+        return None if isinstance(base, ast.Name) and base.id == "torch" else base
+    if len(value.args) == 1:
+        return value.args[0]
+    return None
+
+
+def _is_one_hot(expr: ast.AST, assignments: dict) -> bool:
+    """`one_hot(...)` through view-like methods, directly or through names bound once."""
+    while True:
+        if isinstance(expr, ast.Name):
+            bound = assignments.get(expr.id, [])
+            if len(bound) != 1 or not isinstance(bound[0], ast.Assign):
+                return False
+            expr = bound[0].value
+            continue
+        name = _call_name(expr)
+        if name == "one_hot":
+            return True
+        if name in _VIEW_METHODS and isinstance(expr.func, ast.Attribute):
+            expr = expr.func.value
+            continue
+        return False
+
+
+def _reduced_dims(call: ast.Call) -> tuple[int, ...] | None:
+    """The constant `dim` of `M.sum(dim)` / `M.any(dim)` when it never names dim 0."""
+    dim = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "dim"), None)
+    if dim is None:
+        return None
+    elements = dim.elts if isinstance(dim, ast.Tuple | ast.List) else [dim]
+    dims = []
+    for element in elements:
+        value = ast.literal_eval(element) if isinstance(element, ast.Constant | ast.UnaryOp) else None
+        if not isinstance(value, int) or value == 0:
+            return None
+        dims.append(value)
+    return tuple(dims)
+
+
+def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ...]]:
+    """(M, reduced dims) when `test` is true exactly for the rows e where M[e] has a non-zero entry."""
+    line = getattr(test, "lineno", "?")
+    if _call_name(test) == "any" and isinstance(test.func, ast.Attribute):
+        reduction, positive = test, True
+    elif _call_name(test) in ("greater", "gt") and len(test.args) == 2:
+        reduction, positive = test.args[0], isinstance(test.args[1], ast.Constant) and test.args[1].value == 0
+    elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Gt):
+        reduction = test.left
+        positive = isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0
+    else:
+        raise NotAdaptable(f"line {line}: the hit test is not `M.sum(dims) > 0` or `M.any(dims)`")
+    if not positive or _call_name(reduction) not in ("sum", "any") or not isinstance(reduction.func, ast.Attribute):
+        raise NotAdaptable(f"line {line}: the hit test is not `M.sum(dims) > 0` or `M.any(dims)`")
+    mask = reduction.func.value
+    if not isinstance(mask, ast.Name):
+        raise NotAdaptable(f"line {line}: the hit test reduces an expression, not a named mask")
+    dims = _reduced_dims(reduction)
+    if dims is None:
+        raise NotAdaptable(f"line {line}: the hit test's reduced dims are not constants other than 0")
+    if reduction.func.attr == "sum" and not _is_one_hot(mask, assignments):
+        raise NotAdaptable(
+            f"line {line}: `{mask.id}.sum(...) > 0` proves a hit only for a non-negative mask, and "
+            f"{mask.id} is not built by one_hot"
+        )
+    return mask.id, dims
+
+
+def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
+    """`M[var]` through view-like methods (`.squeeze(0)`, ...)."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in (
+        _VIEW_METHODS | {"squeeze", "flatten"}
+    ):
+        expr = expr.func.value
+    return (
+        isinstance(expr, ast.Subscript)
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id == mask
+        and isinstance(expr.slice, ast.Name)
+        and expr.slice.id == var
+    )
+
+
+def _rows_names(stmt: ast.stmt, mask: str, var: str) -> set[str]:
+    """Names bound to the indices of M[var]'s non-zero entries by this statement (else empty)."""
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+        return set()
+    value = stmt.value
+    name = _call_name(value)
+    as_tuple = any(k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value for k in value.keywords) if isinstance(value, ast.Call) else False
+    if name == "where" and len(value.args) == 1 and not value.keywords:
+        operand = value.args[0]
+    elif name == "nonzero" and as_tuple:
+        operand = value.func.value if not value.args else value.args[0]
+    else:
+        return set()
+    if not _selects_row(operand, mask, var):
+        return set()
+    return set(_stored_names(stmt.targets[0]))
+
+
+def _check_body(loop: ast.For, var: str, mask: str, fn_def: ast.FunctionDef) -> None:
+    """The body's only effect is one accumulation at rows that are empty for an expert not hit."""
+    bound: set[str] = set()
+    rows: set[str] = set()
+    accumulations = []
+
+    def visit(statements):
+        for stmt in statements:
+            if isinstance(stmt, ast.Assign | ast.AnnAssign):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                names = [n for t in targets for n in _stored_names(t)]
+                if var in names:
+                    raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
+                rows.update(_rows_names(stmt, mask, var))
+                bound.update(names)
+            elif isinstance(stmt, ast.With):
+                if any(item.optional_vars is not None for item in stmt.items):
+                    raise NotAdaptable(f"line {stmt.lineno}: `with ... as` in the loop body")
+                visit(stmt.body)
+            elif isinstance(stmt, ast.Expr) and _call_name(stmt.value) in _ACCUMULATORS:
+                accumulations.append(stmt.value)
+            elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript):
+                accumulations.append(stmt)
+            elif isinstance(stmt, ast.Pass):
+                pass
+            else:
+                kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
+                code = ast.unparse(stmt).splitlines()[0][:60]
+                raise NotAdaptable(
+                    f"line {stmt.lineno}: {kind} in the loop body (`{code}`) may act for an expert no token "
+                    "chose; only one accumulation into the output may"
+                )
+
+    visit(loop.body)
+    if len(accumulations) != 1:
+        raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
+    _check_accumulation(accumulations[0], rows, bound)
+    _check_locals(loop, bound, fn_def)
+
+
+def _check_accumulation(acc, rows: set[str], bound: set[str]) -> None:
+    line = acc.lineno
+    if isinstance(acc, ast.AugAssign):
+        target, index = acc.target.value, acc.target.slice
+        if not isinstance(acc.op, ast.Add):
+            raise NotAdaptable(f"line {line}: the accumulation is not `+=`")
+    else:
+        target = acc.func.value
+        method = acc.func.attr
+        if method == "index_add_":
+            dim = acc.args[0] if acc.args else next((k.value for k in acc.keywords if k.arg == "dim"), None)
+            index = acc.args[1] if len(acc.args) > 1 else next((k.value for k in acc.keywords if k.arg == "index"), None)
+            if not (isinstance(dim, ast.Constant) and dim.value == 0):
+                raise NotAdaptable(f"line {line}: index_add_ along another dim than 0")
+        else:  # index_put_((rows,), values, accumulate=True)
+            accumulate = next((k.value for k in acc.keywords if k.arg == "accumulate"), None)
+            if len(acc.args) >= 3:
+                accumulate = acc.args[2]
+            if not (isinstance(accumulate, ast.Constant) and accumulate.value is True):
+                raise NotAdaptable(f"line {line}: index_put_ without accumulate=True")
+            indices = acc.args[0] if acc.args else None
+            index = indices.elts[0] if isinstance(indices, ast.Tuple | ast.List) and len(indices.elts) == 1 else None
+    if not isinstance(target, ast.Name) or target.id in bound:
+        raise NotAdaptable(f"line {line}: the accumulator is not a tensor defined before the loop")
+    if not (isinstance(index, ast.Name) and index.id in rows):
+        raise NotAdaptable(
+            f"line {line}: the accumulated rows are not the non-zero entries of the expert's mask row"
+        )
+
+
+def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> None:
+    """Names bound in the body are bound before use in each iteration and not read after the loop."""
+    inside = {id(n) for n in ast.walk(loop)}
+    for node in _walk_function(fn_def):
+        if id(node) in inside:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
+            raise NotAdaptable(f"line {node.lineno}: {node.id}, bound in the loop body, is read outside the loop")
+    seen: set[str] = set()
+    for stmt in _flat(loop.body):
+        loads = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        carried = (loads & bound) - seen
+        if carried:
+            name = sorted(carried)[0]
+            raise NotAdaptable(f"line {stmt.lineno}: {name} is read before the loop body binds it")
+        if isinstance(stmt, ast.Assign | ast.AnnAssign):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            seen.update(n for t in targets for n in _stored_names(t))
+
+
+def _flat(statements):
+    for stmt in statements:
+        if isinstance(stmt, ast.With):
+            yield from _flat(stmt.body)
+        else:
+            yield stmt
+
+
+def find_hit_loops(fn) -> tuple[ast.FunctionDef, str, list[HitLoop]]:
+    """Every loop over a hit-expert list in `fn`, each proved equivalent to a loop over all experts.
+
+    Raises NotAdaptable naming the first construct that stops the proof.
+    """
+    fn_def, filename, _ = _function_source(fn)
+    assignments = _assignments(fn_def)
+    loads = [n for n in _walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    loops = []
+    for node in _walk_function(fn_def):
+        if not isinstance(node, ast.For):
+            continue
+        hit = node.iter.value if _is_full_slice(node.iter) else node.iter
+        if not isinstance(hit, ast.Name):
+            continue
+        bound = assignments.get(hit.id, [])
+        operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
+        if operand is None:
+            continue  # not a loop over nonzero rows: nothing to do
+        if not isinstance(node.target, ast.Name) or node.orelse:
+            raise NotAdaptable(f"line {node.lineno}: the loop target is not a single name, or has an else")
+        if sum(1 for n in loads if n.id == hit.id) != 1:
+            raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
+        mask, _dims = _hit_test_mask(operand, assignments)
+        _check_body(node, node.target.id, mask, fn_def)
+        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask))
+    return fn_def, filename, loops
+
+
+def _is_full_slice(expr: ast.AST) -> bool:
+    return (
+        isinstance(expr, ast.Subscript)
+        and isinstance(expr.slice, ast.Slice)
+        and expr.slice.lower is None
+        and expr.slice.upper is None
+        and expr.slice.step is None
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewriting the function
+
+
+class _Rewrite(ast.NodeTransformer):
+    """`H = C.nonzero()` -> `H, all = all_rows(C, M, dims)`; `for v in H:` -> loop over indices."""
+
+    def __init__(self, loops: list[HitLoop], fn_def: ast.FunctionDef):
+        self.by_hit = {loop.hit: loop for loop in loops}
+        self.by_line = {loop.line: loop for loop in loops}
+        self.assignments = _assignments(fn_def)
+
+    def visit_Assign(self, node: ast.Assign):
+        if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
+            loop = self.by_hit[node.targets[0].id]
+            operand = _nonzero_operand(node.value)
+            _, dims = _hit_test_mask(operand, self.assignments)
+            call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {dims!r})")
+            call.args[0] = operand
+            new = ast.Assign(
+                targets=[_parse_expr(f"({loop.hit}, {_ALL}_{loop.hit})", ctx=ast.Store())], value=call
+            )
+            return ast.copy_location(new, node)
+        return self.generic_visit(node)
+
+    def visit_For(self, node: ast.For):
+        loop = self.by_line.get(node.lineno)
+        if loop is None:
+            return self.generic_visit(node)
+        index = f"{_INDEX}_{loop.var}"
+        body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in node.body]
+        bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
+        new = ast.For(
+            target=ast.Name(index, ast.Store()),
+            iter=_parse_expr(f"range({loop.hit}.shape[0])"),
+            body=[bind, *body],
+            orelse=[],
+        )
+        for part in ast.walk(new):  # every new node reports the loop's own line
+            if hasattr(part, "lineno") or isinstance(part, ast.expr | ast.stmt):
+                ast.copy_location(part, node)
+        return new
+
+
+class _Subscripts(ast.NodeTransformer):
+    """`X[var]` -> `pick(X, var, index, all)`: a module list takes the Python int (dynamo needs it)."""
+
+    def __init__(self, var: str, index: str, all_rows: str):
+        self.var, self.index, self.all_rows = var, index, all_rows
+
+    def visit_Subscript(self, node: ast.Subscript):
+        node = self.generic_visit(node)
+        if isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Name) and node.slice.id == self.var:
+            call = _parse_expr(f"{_HELPERS}.pick(__X__, {self.var}, {self.index}, {self.all_rows})")
+            call.args[0] = node.value
+            return ast.copy_location(call, node)
+        return node
+
+
+def _parse_expr(text: str, ctx=None) -> ast.expr:
+    expr = ast.parse(text, mode="eval").body
+    if ctx is not None:
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Name | ast.Tuple):
+                node.ctx = ctx
+    return expr
+
+
+def rewrite(fn, fn_def: ast.FunctionDef, filename: str, loops: list[HitLoop]) -> types.FunctionType:
+    """`fn` with each hit loop running over all experts; same globals, closure, defaults and file."""
+    new_def = _Rewrite(loops, fn_def).visit(fn_def)
+    new_def.decorator_list = []
+    free = list(fn.__code__.co_freevars)
+    factory = ast.parse(f"def __moe_passes_factory({', '.join([*free, _HELPERS])}):\n    pass").body[0]
+    factory.body = [new_def, ast.Return(ast.Name(new_def.name, ast.Load()))]
+    module = ast.Module(body=[factory], type_ignores=[])
+    ast.fix_missing_locations(module)
+    code = compile(module, filename, "exec")
+    factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    fn_code = next(c for c in factory_code.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+    cells[_HELPERS] = types.CellType(_helpers_namespace())
+    closure = tuple(cells[name] for name in fn_code.co_freevars)
+    new_fn = types.FunctionType(fn_code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    new_fn.__kwdefaults__ = fn.__kwdefaults__
+    new_fn.__qualname__ = fn.__qualname__
+    new_fn.__module__ = fn.__module__
+    return new_fn
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the rewritten loop calls
+
+
+def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]):
+    """(every row index as nonzero would list it, True), or (test.nonzero(), False) when unproved.
+
+    The proof needs the hit test to be one flag per leading row of the mask: 1-D, as long as the
+    mask's first dim, and reduced over dims that are all the others.
+    """
+    _capture_dynamic_output_shapes()
+    others = {d % mask.dim() for d in dims} if mask.dim() else set()
+    if test.dim() == 1 and test.shape[0] == mask.shape[0] and others == set(range(1, mask.dim())):
+        return torch.arange(test.shape[0], device=test.device).unsqueeze(-1), True
+    return test.nonzero(), False
+
+
+def pick(container, row: torch.Tensor, index: int, every_row: bool):
+    """container[row], with the Python int for module containers when rows are 0..n-1."""
+    if every_row and isinstance(container, torch.nn.Module):
+        return container[index]
+    return container[row]
+
+
+@torch.compiler.assume_constant_result
+def _capture_dynamic_output_shapes() -> bool:
+    """Let the compile in progress capture ops with data-dependent output shapes (`nonzero`).
+
+    Runs in plain Python while dynamo traces (a trace-time constant). Dynamo fixes the setting in the
+    frame's shape environment when tracing starts, so both that environment and dynamo's config flag
+    are switched for this compile; the flag is restored when the compile ends.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        shape_env = tx.output.shape_env if tx is not None else None
+        settings = getattr(shape_env, "settings", None)
+        handler = torch._dynamo.callback_handler
+    except Exception:  # noqa: BLE001 - another torch's internals: the loop then breaks the graph as written
+        return False
+    if settings is None or not dataclasses.is_dataclass(settings) or not hasattr(handler, "register_end_callback"):
+        return False
+    if not settings.allow_dynamic_output_shape_ops:
+        shape_env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
+    config = torch._dynamo.config
+    if not config.capture_dynamic_output_shape_ops:
+        config.capture_dynamic_output_shape_ops = True
+
+        def restore(*_args):
+            config.capture_dynamic_output_shape_ops = False
+            handler.remove_end_callback(restore)
+
+        handler.register_end_callback(restore)
+    return True
+
+
+def _helpers_namespace() -> types.SimpleNamespace:
+    return types.SimpleNamespace(all_rows=all_rows, pick=pick)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recognition, cached per class
+
+_DECISIONS: dict[type, types.FunctionType | str] = {}
+
+
+def traceable_forward_of(cls: type) -> types.FunctionType | None:
+    """The all-experts forward for `cls`, or None (the reason is kept for `declined_classes`)."""
+    if cls in _DECISIONS:
+        decision = _DECISIONS[cls]
+        return decision if isinstance(decision, types.FunctionType) else None
+    forward = cls.__dict__.get("forward")
+    code = getattr(forward, "__code__", None)
+    if code is None or "nonzero" not in code.co_names:
+        return None  # cheap filter: no nonzero call, no hit list
+    try:
+        if getattr(forward, "__wrapped__", None) is not None:
+            raise NotAdaptable("forward is wrapped by a decorator")
+        fn_def, filename, loops = find_hit_loops(forward)
+        if not loops:
+            return None
+        decision = rewrite(forward, fn_def, filename, loops)
+    except NotAdaptable as exc:
+        decision = f"{cls.__module__}.{cls.__qualname__}.forward: {exc}"
+        log.info("hit-expert loop not adapted: %s", decision)
+    except (SyntaxError, ValueError, StopIteration) as exc:  # unusual source: leave it as written
+        decision = f"{cls.__module__}.{cls.__qualname__}.forward: source not understood ({exc})"
+        log.info("hit-expert loop not adapted: %s", decision)
+    _DECISIONS[cls] = decision
+    return decision if isinstance(decision, types.FunctionType) else None
+
+
+def declined_classes() -> dict[str, str]:
+    """{"module.Class": reason} for classes whose hit-expert loops were left as written."""
+    return {
+        f"{cls.__module__}.{cls.__qualname__}": reason
+        for cls, reason in _DECISIONS.items()
+        if isinstance(reason, str)
+    }

@@ -1,0 +1,218 @@
+"""The hit-expert-loop adapter: what it proves from the source, and that the adapted loop is the same.
+
+The catalog's `hf4_hit_expert_loop` is transformers 4.55's Mixtral block; real transformers 4.55 / 4.57
+models are tested in tests/test_transformers4.py. Here: the cases the equivalence argument names
+(top-1 routing, experts no token chose, one token), what plain dynamo and eager still run, and the
+declines, each naming the construct that stopped the proof.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_passes.adapters import hit_expert_loops
+from patterns import catalog
+from patterns.hf4_hit_expert_loop import HitExpertLoopMoE
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+
+FORM = catalog()["hf4_hit_expert_loop"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(top_k=1),  # one-element index tensors: shapes differ from int indexing
+        dict(tokens=1),  # decode: one token, most experts not chosen
+        dict(num_experts=8, tokens=2, top_k=2),  # at least 4 of 8 experts not chosen
+        dict(tokens=1, top_k=1, num_experts=6),
+        dict(dtype=torch.bfloat16, tokens=5),
+    ],
+    ids=["top1", "one_token", "unchosen_experts", "one_token_top1", "bf16"],
+)
+def test_adapted_loop_is_fused_and_equal(overrides):
+    model, inputs = FORM.build(**overrides)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 2, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_unchosen_experts_really_occur_in_the_decode_case():
+    model, (x,) = FORM.build(tokens=1, num_experts=8)
+    weights, ids = model.moes[0].router(x.view(-1, x.shape[-1]))
+    assert ids.unique().numel() < 8
+
+
+def test_plain_dynamo_and_eager_keep_the_original_loop():
+    model, inputs = FORM.build()
+    run_hpu_moe(model, inputs)  # installs the adapter on the class
+    assert "patterns.hf4_hit_expert_loop.HitExpertLoopMoE" in hit_expert_loops_adapted()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(*inputs)
+    assert explanation.graph_break_count > 0  # other backends trace the hit loop as written
+    assert not torch._dynamo.config.capture_dynamic_output_shape_ops  # the hpu_moe compile restored it
+
+
+def hit_expert_loops_adapted() -> dict[str, str]:
+    from moe_passes.adapters import adapted_classes
+
+    return {name: how for name, how in adapted_classes().items() if how == hit_expert_loops.NAME}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variants: defined here so that their source can be read. Each differs from the catalog block in one
+# construct; those the proof cannot cover are declined with that construct named.
+
+
+class WeightsBeforeExpert(HitExpertLoopMoE):
+    """Adapted (the loop is equivalent), then declined by the passes: weights scale the expert's input."""
+
+    def forward(self, x):
+        batch, seq, hidden_dim = x.shape
+        hidden_states = x.view(-1, hidden_dim)
+        routing_weights, selected_experts = self.router(hidden_states)
+        final_hidden_states = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, expert_layer(current_state))
+        return final_hidden_states.reshape(batch, seq, hidden_dim)
+
+
+class AnyHitTest(HitExpertLoopMoE):
+    """`M.any(dims)` is a hit test for any mask; index_put_ with accumulate=True accumulates."""
+
+    def forward(self, x):
+        batch, seq, hidden_dim = x.shape
+        hidden_states = x.view(-1, hidden_dim)
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = selected_experts.T.unsqueeze(0) == torch.arange(self.num_experts)[:, None, None]
+        hit = mask.any(dim=(1, 2)).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](hidden_states[token]) * routing_weights[token, slot, None]
+            out.index_put_((token,), y, accumulate=True)
+        return out.reshape(batch, seq, hidden_dim)
+
+
+class ConditionalBody(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            if expert_idx == 0:
+                continue
+            out.index_add_(0, top_x, self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None])
+        return out.view(x.shape)
+
+
+class CountsCalls(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        calls = []
+        for expert_idx in expert_hit:
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            calls.append(expert_idx)
+            out.index_add_(0, top_x, self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None])
+        return out.view(x.shape) * len(calls)
+
+
+class SignedMask(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = (selected_experts.T.unsqueeze(0) == torch.arange(self.num_experts)[:, None, None]).int()
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](hidden_states[token]) * routing_weights[token, slot, None])
+        return out.view(x.shape)
+
+
+class RowsNotFromTheMask(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            top_x = torch.arange(hidden_states.shape[0])
+            out.index_add_(0, top_x, self.experts[expert_idx](hidden_states) * 0.5)
+        return out.view(x.shape)
+
+
+class LastExpertUsedAfter(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            y = self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None]
+            out.index_add_(0, top_x, y)
+        return out.view(x.shape) + y.sum()
+
+
+DECLINED = {
+    ConditionalBody: "an `if` statement in the loop body (`if expert_idx == 0:`)",
+    CountsCalls: "a call in the loop body (`calls.append(expert_idx)`)",
+    SignedMask: "is not built by one_hot",
+    RowsNotFromTheMask: "the accumulated rows are not the non-zero entries",
+    LastExpertUsedAfter: "y, bound in the loop body, is read outside the loop",
+}
+
+
+@pytest.mark.parametrize("cls", list(DECLINED), ids=lambda c: c.__name__)
+def test_loops_the_source_does_not_prove_equivalent_are_left_with_the_construct_named(cls):
+    assert hit_expert_loops.traceable_forward_of(cls) is None
+    reason = hit_expert_loops.declined_classes()[f"{cls.__module__}.{cls.__qualname__}"]
+    assert DECLINED[cls] in reason, reason
+    assert "line " in reason
+
+
+def _swap(model, cls):
+    for moe in model.moes:
+        moe.__class__ = cls
+
+
+def test_an_adapted_loop_the_passes_decline_runs_unfused_and_equal():
+    model, inputs = FORM.build(layers=1, tokens=3, num_experts=6)
+    _swap(model, WeightsBeforeExpert)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_count == 1 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_any_hit_test_and_index_put_are_adapted_and_fused():
+    model, inputs = FORM.build(layers=1, tokens=3, num_experts=6)
+    _swap(model, AnyHitTest)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_adapters_off_leave_the_loop_as_written():
+    model, inputs = FORM.build(layers=1)
+    report, output, recorder = run_hpu_moe(model, inputs, adapters=False)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
