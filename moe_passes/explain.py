@@ -344,9 +344,9 @@ DATA_DEPENDENT_ADVICE = (
     "an expert loop over data-dependent shapes (nonzero / torch.where / .tolist(), e.g. transformers "
     "experts_implementation='eager' or 4.x loops) breaks the graph, so no MoE layer can be fused: load the "
     "model with experts_implementation='grouped_mm' (or call model.set_experts_implementation('grouped_mm')), "
-    "which compiles in one graph and is fused. A loop over range(num_experts) with torch.where (transformers "
-    "4.x) is kept in one graph, and fused, with torch._dynamo.config.capture_dynamic_output_shape_ops = True; "
-    "a loop over the experts that were hit (`for e in expert_hit`) cannot be captured even then"
+    "which compiles in one graph and is fused. Under hpu_moe (adapters on) a loop over range(num_experts) "
+    "with torch.where and a loop over the experts that were hit (transformers 4.x) are captured in one graph "
+    "by the expert-loop adapter; loops it left as written are listed with the construct that stopped it"
 )
 NAME_GUARD_ADVICE = (
     "each layer recompiles because a guard checks the layer's name string (vLLM-style layers that find "
@@ -362,7 +362,9 @@ LIMIT_ADVICE = (
 def advice_for_breaks(break_reasons: list[str]) -> list[str]:
     """What the user can change to remove the graph breaks that stop MoE fusion."""
     if any(marker in reason for reason in break_reasons for marker in DATA_DEPENDENT_MARKERS):
-        return [DATA_DEPENDENT_ADVICE]
+        from .adapters.hit_expert_loops import declined_classes
+
+        return [DATA_DEPENDENT_ADVICE] + [f"expert loop left as written: {why}" for why in declined_classes().values()]
     return []
 
 

@@ -216,3 +216,14 @@ def test_adapters_off_leave_the_loop_as_written():
     report, output, recorder = run_hpu_moe(model, inputs, adapters=False)
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("name", ["hf4_sparse_loop", "mixtral4_sparse_loop"])
+def test_range_loops_need_no_dynamo_setting_under_hpu_moe(name):
+    """The range(E) loops' torch.where is captured for hpu_moe's own trace (their DYNAMO_CONFIG unset)."""
+    model, inputs = catalog()[name].build()
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 2, str(report)
+    assert not torch._dynamo.config.capture_dynamic_output_shape_ops
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -40,7 +40,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NAME = "loop over the hit experts (all experts while traced)"
+NAME = "expert loop (hit experts traced as all experts, data-dependent shapes captured)"
 _HELPERS = "__moe_passes_loop_helpers"
 _INDEX = "__moe_passes_expert"
 _ALL = "__moe_passes_all_rows"
@@ -531,29 +531,59 @@ _DECISIONS: dict[type, types.FunctionType | str] = {}
 
 
 def traceable_forward_of(cls: type) -> types.FunctionType | None:
-    """The all-experts forward for `cls`, or None (the reason is kept for `declined_classes`)."""
+    """The forward to trace for `cls` under hpu_moe, or None (the reason is kept for `declined_classes`).
+
+    A loop over the hit experts gets the all-experts rewrite; a loop over `range(E)` whose body selects
+    its tokens with `torch.where(mask[e])` / `nonzero` only needs data-dependent shapes captured.
+    """
     if cls in _DECISIONS:
         decision = _DECISIONS[cls]
         return decision if isinstance(decision, types.FunctionType) else None
     forward = cls.__dict__.get("forward")
     code = getattr(forward, "__code__", None)
-    if code is None or "nonzero" not in code.co_names:
-        return None  # cheap filter: no nonzero call, no hit list
+    if code is None or not {"nonzero", "where"} & set(code.co_names):
+        return None  # cheap filter: no token selection, nothing to adapt
     try:
         if getattr(forward, "__wrapped__", None) is not None:
             raise NotAdaptable("forward is wrapped by a decorator")
         fn_def, filename, loops = find_hit_loops(forward)
-        if not loops:
+        if loops:
+            decision = rewrite(forward, fn_def, filename, loops)
+        elif _selects_tokens_in_a_loop(fn_def):
+            decision = _with_dynamic_shapes(forward)
+        else:
             return None
-        decision = rewrite(forward, fn_def, filename, loops)
     except NotAdaptable as exc:
         decision = f"{cls.__module__}.{cls.__qualname__}.forward: {exc}"
-        log.info("hit-expert loop not adapted: %s", decision)
+        log.info("expert loop not adapted: %s", decision)
     except (SyntaxError, ValueError, StopIteration) as exc:  # unusual source: leave it as written
         decision = f"{cls.__module__}.{cls.__qualname__}.forward: source not understood ({exc})"
-        log.info("hit-expert loop not adapted: %s", decision)
+        log.info("expert loop not adapted: %s", decision)
     _DECISIONS[cls] = decision
     return decision if isinstance(decision, types.FunctionType) else None
+
+
+def _selects_tokens_in_a_loop(fn_def: ast.FunctionDef) -> bool:
+    """A `for` loop whose body calls `torch.where(x)` (one argument) or `.nonzero(...)`."""
+    for node in _walk_function(fn_def):
+        if isinstance(node, ast.For):
+            for inner in ast.walk(node):
+                name = _call_name(inner)
+                if name == "nonzero" or (name == "where" and len(inner.args) == 1 and not inner.keywords):
+                    return True
+    return False
+
+
+def _with_dynamic_shapes(forward) -> types.FunctionType:
+    """`forward` itself, traced with data-dependent output shapes captured (the semantics do not change)."""
+
+    def traced_with_dynamic_shapes(self, *args, **kwargs):
+        _capture_dynamic_output_shapes()
+        return forward(self, *args, **kwargs)
+
+    traced_with_dynamic_shapes.__qualname__ = forward.__qualname__
+    traced_with_dynamic_shapes.__module__ = forward.__module__
+    return traced_with_dynamic_shapes
 
 
 def declined_classes() -> dict[str, str]:
