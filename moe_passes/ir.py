@@ -48,7 +48,7 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     def run(*flat):
         # Running node by node under preserve_node_meta carries dynamo's nn_module_stack and stack
         # traces onto the ATen nodes, which is how reports name the layer each rewrite came from.
-        return torch.fx.Interpreter(gm).run(*flat)
+        return _CanonicalInterpreter(gm).run(*flat)
 
     functionalize = _python_functionalize if uses_functorch_transforms(gm) else _functorch_functionalize
     depth = _functorch_depth()
@@ -64,6 +64,27 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def _one_hot(ids: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """one_hot with a known class count as `ids[..., None] == arange(n)`: what newer torch traces it to.
+
+    Older torch (2.9) runs its C++ one_hot under fake tensors with data-dependent range checks, which
+    fail under symbolic shapes; the comparison form computes the same for every valid id.
+    """
+    if num_classes < 0:
+        return torch.nn.functional.one_hot(ids, num_classes)
+    return (ids.unsqueeze(-1) == torch.arange(num_classes, device=ids.device)).to(torch.int64)
+
+
+_TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot}
+
+
+class _CanonicalInterpreter(torch.fx.Interpreter):
+    """Runs the captured graph op by op, with the few ops older torch cannot trace symbolically swapped."""
+
+    def call_function(self, target, args, kwargs):
+        return super().call_function(_TRACED_AS.get(target, target), args, kwargs)
 
 
 def uses_functorch_transforms(gm: torch.fx.GraphModule) -> bool:

@@ -8,6 +8,7 @@ line up) live here once. Every candidate ends as a `Fused` or a `Declined` entry
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from torch.fx import GraphModule, Node
@@ -57,12 +58,16 @@ def layer_name(node: Node | None) -> str:
     if not stack:
         return "<top level>"
     path, module_type = list(stack.values())[-1][:2]
-    for prefix in ("L['self'].", "L['self']", "L['fn'].", "L['mod'].", "L['mod']"):
-        if path.startswith(prefix):
-            path = path[len(prefix) :]
-            break
-    path = path.replace("._modules['", ".").replace("']", "")
-    return path or getattr(module_type, "__name__", str(module_type))
+    return _module_path(path) or getattr(module_type, "__name__", str(module_type))
+
+
+def _module_path(source: str) -> str:
+    """"model.layers.0.mlp" from dynamo's source names of any torch version:
+    `L['self'].model.layers[0].mlp`, `L['self']._modules['model']._modules['layers']._modules['0']`, ..."""
+    path = re.sub(r"^L\['(?:self|fn|mod)'\]", "", source)
+    path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return ".".join(part for part in path.split(".") if part)
 
 
 def _layer_of(match: ExpertsMatch) -> str:
