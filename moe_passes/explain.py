@@ -140,7 +140,8 @@ def _build_report(opts: Options, records, events: _DynamoEvents) -> Report:
         )
         for step, seconds in record.seconds.items():
             report.pass_seconds[step] = round(report.pass_seconds.get(step, 0.0) + seconds, 6)
-    report.advice = advice_for_breaks(report.break_reasons) + advice_for_recompiles(report)
+    break_locations = [b.location for b in report.graph_breaks if b.location]
+    report.advice = advice_for_breaks(report.break_reasons, break_locations) + advice_for_recompiles(report)
     return report
 
 
@@ -292,10 +293,12 @@ class _DynamoEvents(logging.Handler):
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(?:\s{4,}(?!File )(.*)\n)?', re.M)
 # torch, the standard library and this package (the adapters' wrappers) are not the user's code
-_NOT_USER_CODE = (
-    os.path.dirname(torch.__file__) + "/",
-    sysconfig.get_paths()["stdlib"] + "/",
-    os.path.dirname(os.path.abspath(__file__)) + "/",
+_NOT_USER_CODE = tuple(
+    {
+        prefix
+        for path in (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], os.path.dirname(__file__))
+        for prefix in (os.path.abspath(path) + "/", os.path.realpath(path) + "/")
+    }
 )
 # How dynamo introduces a break reason; the reason itself follows
 _BREAK_PREAMBLES = (
@@ -320,7 +323,7 @@ def _frames(text: str) -> list[Frame]:
     """User frames of a formatted stack (torch's own frames left out)."""
     frames = []
     for path, line, function, code in _FRAME.findall(text if text.endswith("\n") else text + "\n"):
-        if path.startswith(_NOT_USER_CODE):
+        if path.startswith(_NOT_USER_CODE) or os.path.realpath(path).startswith(_NOT_USER_CODE):
             continue
         frames.append(Frame(path, int(line), function, (code or "").strip()))
     return frames
@@ -359,12 +362,16 @@ LIMIT_ADVICE = (
 )
 
 
-def advice_for_breaks(break_reasons: list[str]) -> list[str]:
-    """What the user can change to remove the graph breaks that stop MoE fusion."""
-    if any(marker in reason for reason in break_reasons for marker in DATA_DEPENDENT_MARKERS):
-        from .adapters.hit_expert_loops import declined_classes
+def advice_for_breaks(break_reasons: list[str], break_locations: list[str] = ()) -> list[str]:
+    """What the user can change to remove the graph breaks that stop MoE fusion.
 
-        return [DATA_DEPENDENT_ADVICE] + [f"expert loop left as written: {why}" for why in declined_classes().values()]
+    Expert loops the adapter left as written are named when a break lies in their forward.
+    """
+    if any(marker in reason for reason in break_reasons for marker in DATA_DEPENDENT_MARKERS):
+        from .adapters.hit_expert_loops import declined_at
+
+        left = declined_at(break_locations)
+        return [DATA_DEPENDENT_ADVICE] + [f"expert loop left as written: {why}" for why in left]
     return []
 
 

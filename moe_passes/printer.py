@@ -24,7 +24,11 @@ def _op_name(target) -> str:
         name = target._schema.name.split("::")[-1]
         overload = target._overloadname
         return f"{namespace}.{name}" + ("" if overload == "default" else f".{overload}")
-    return getattr(target, "__name__", str(target))
+    name = getattr(target, "__name__", str(target))
+    # Python operators appear as operator.eq or as Tensor.__eq__ depending on the torch version
+    if len(name) > 4 and name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+    return name
 
 
 class _Namer:

@@ -227,3 +227,13 @@ def test_range_loops_need_no_dynamo_setting_under_hpu_moe(name):
     assert len(recorder.fused_nodes()) == 2, str(report)
     assert not torch._dynamo.config.capture_dynamic_output_shape_ops
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_the_report_names_a_loop_left_as_written():
+    model, inputs = FORM.build(layers=1)
+    _swap(model, ConditionalBody)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes()
+    named = [a for a in report.advice if a.startswith("expert loop left as written")]
+    assert len(named) == 1 and "an `if` statement in the loop body" in named[0], report.advice
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -33,6 +33,7 @@ import ast
 import dataclasses
 import inspect
 import logging
+import os
 import textwrap
 import types
 
@@ -584,6 +585,25 @@ def _with_dynamic_shapes(forward) -> types.FunctionType:
     traced_with_dynamic_shapes.__qualname__ = forward.__qualname__
     traced_with_dynamic_shapes.__module__ = forward.__module__
     return traced_with_dynamic_shapes
+
+
+def declined_at(locations) -> list[str]:
+    """Reasons for the classes left as written whose forward holds one of `locations` ("file:line")."""
+    wanted = set()
+    for location in locations:
+        path, _, line = location.rpartition(":")
+        if line.isdigit():
+            wanted.add((os.path.realpath(path), int(line)))
+    found = []
+    for cls, reason in _DECISIONS.items():
+        code = getattr(cls.__dict__.get("forward"), "__code__", None)
+        if not isinstance(reason, str) or code is None:
+            continue
+        path = os.path.realpath(code.co_filename)
+        lines = {line for _, _, line in code.co_lines() if line is not None}
+        if any(p == path and line in lines for p, line in wanted):
+            found.append(reason)
+    return found
 
 
 def declined_classes() -> dict[str, str]:
