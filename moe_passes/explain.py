@@ -262,7 +262,7 @@ class _DynamoEvents(logging.Handler):
                     function=compiled.function if compiled else "?",
                     location=compiled.location if compiled else "?",
                     guard_failures=[_first_lines(str(r), 1) for r in reasons],
-                    user_stack=_frames(str(reasons[0]).split("User stack trace:", 1)[-1]) if reasons else [],
+                    user_stack=_recompile_stack(str(reasons[0]), compiled) if reasons else [],
                 )
             )
         return out
@@ -289,6 +289,25 @@ class _DynamoEvents(logging.Handler):
                 )
             )
         return out
+
+
+# Older torch (2.9) gives no stack with a failed guard, only its source line as a comment:
+# "<guard>  # <code>  # <file suffix>:<line> in <function>"
+_GUARD_SOURCE = re.compile(r"#\s*(.*?)\s+#\s*(\S+):(\d+) in (\S+)\s*$", re.M)
+
+
+def _recompile_stack(reason: str, compiled) -> list[Frame]:
+    frames = _frames(reason.split("User stack trace:", 1)[-1])
+    if frames or "User stack trace:" in reason:
+        return frames
+    found = _GUARD_SOURCE.search(reason.splitlines()[0] if reason else "")
+    if found is None:
+        return []
+    code, path, line, function = found.groups()
+    known = compiled.location.rsplit(":", 1)[0] if compiled else ""
+    if known.endswith(path):  # the comment shortens the path; the compiled function's file has it whole
+        path = known
+    return [Frame(path, int(line), function, code.strip())]
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\n(?:\s{4,}(?!File )(.*)\n)?', re.M)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packaging.version import Version
 
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
@@ -176,9 +177,19 @@ def test_every_moe_layer_fused(family, implementation, inner):
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
+def skip_where_transformers_breaks_bf16_grouped_mm(implementation: str) -> None:
+    """transformers checks 16-byte alignment with `data_ptr() % 16` before a bfloat16 grouped_mm on CPU
+    with torch <= 2.10 (integrations/moe.py, _can_use_grouped_mm): dynamo breaks the graph on that in
+    transformers' own code. Weights on a Gaudi or CUDA device skip the check."""
+    old_torch = Version(torch.__version__.split("+")[0]).release[:2] <= (2, 10)
+    if implementation == "grouped_mm" and old_torch:
+        pytest.skip("transformers' data_ptr alignment check for bf16 grouped_mm on CPU breaks the graph on torch <= 2.10")
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_bfloat16_under_inductor(family, implementation):
+    skip_where_transformers_breaks_bf16_grouped_mm(implementation)
     model, inputs = build(family, implementation, torch.bfloat16)
     report, output, recorder = run_hpu_moe(model, inputs, inner="inductor")
     assert len(report.fused) == LAYERS and report.graph_break_count == 0, str(report)
@@ -212,6 +223,7 @@ def test_fused_calls_snapshot():
 
     from moe_passes.printer import format_fused_calls
 
+    skip_where_transformers_breaks_bf16_grouped_mm("grouped_mm")
     model, inputs = build("mixtral", "grouped_mm", torch.bfloat16)
     _, _, recorder = run_hpu_moe(model, inputs)
     assert_expected_inline(
