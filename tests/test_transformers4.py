@@ -1,0 +1,53 @@
+"""Real transformers 4.x models: the loops over the hit experts (4.45+) and range(E) loops are fused.
+
+Runs when the installed transformers is a 4.x release (it skips under 5.x, which the rest of the suite
+covers). With the 4.x wheels beside the development environment:
+
+    pip install --target /tmp/tf455 transformers==4.55.4
+    PYTHONPATH=/tmp/tf455 .venv/bin/python -m pytest -q tests/test_transformers4.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not transformers.__version__.startswith("4."):
+    pytest.skip(f"transformers {transformers.__version__} is not a 4.x release", allow_module_level=True)
+
+from moe_passes.tiny_models import inputs, tiny_model  # noqa: E402
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe  # noqa: E402
+
+# Hit-expert loops (`for expert_idx in expert_hit`) in 4.55 and 4.57, and OLMoE's range(E) loop.
+HIT_LOOP_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "minimax"]
+RANGE_LOOP_FAMILIES = ["olmoe"]
+
+
+def _run(family: str):
+    torch.manual_seed(0)
+    model = tiny_model(family, None)
+    args, _ = inputs(model)
+    report, output, recorder = run_hpu_moe(model, args)
+    return model, args, report, output, recorder
+
+
+@pytest.mark.parametrize("family", HIT_LOOP_FAMILIES + RANGE_LOOP_FAMILIES)
+def test_every_moe_layer_is_one_fused_call_in_one_graph(family):
+    model, args, report, output, recorder = _run(family)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 2, str(report)
+    assert_close_for_dtype(output, eager_output(model, args))
+
+
+def test_mixtral_top1_routing():
+    """Top-1: the hit loop indexes with [1]-shaped tensors, whose shapes differ from int indexing."""
+    torch.manual_seed(0)
+    model = tiny_model("mixtral", None)
+    for layer in model.model.layers:
+        layer.block_sparse_moe.top_k = 1
+    args, _ = inputs(model)
+    report, output, recorder = run_hpu_moe(model, args)
+    assert len(recorder.fused_nodes()) == 2 and report.graph_break_count == 0, str(report)
+    assert all(f.top_k == 1 for f in report.fused)
+    assert_close_for_dtype(output, eager_output(model, args))
