@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
@@ -66,3 +67,16 @@ def assert_close_for_dtype(actual, expected):
     atol, rtol = TOLERANCE[expected.dtype]
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
     return (actual.float() - expected.float()).abs().max().item()
+
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the installed torch, local and pre-release tags ignored."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()))
+
+
+def skip_unless_the_dp_context_breaks(broke: bool) -> None:
+    """The catalog's vLLM pattern breaks the graph at `.tolist()` in its DP context from torch 2.11 on;
+    torch 2.9's dynamo traces that context manager without a break, so break tests cannot apply there."""
+    if not broke and torch_release() < (2, 11):
+        pytest.skip(f"torch {torch.__version__} traces the DP context's .tolist() without a graph break")

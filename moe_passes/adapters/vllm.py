@@ -41,6 +41,7 @@ package declares `register` there, so a vLLM process with moe-passes installed g
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import inspect
 import logging
@@ -244,9 +245,9 @@ def install_runner_adapter(cls: type, convention: Convention, owner_cls: type | 
     def get_entry(runner):
         if by_reference(runner):
             return functools.partial(op_body_by_reference, runner)
+        # never runner.__dict__ here: dynamo before 2.13 reads it through this very property (recursion);
+        # runners built before the adapter had their op moved to `stored` when it was installed
         value = getattr(runner, stored, None)
-        if value is None:
-            value = runner.__dict__.get(entry)  # set before the adapter was installed
         if value is None:
             raise AttributeError(f"{type(runner).__name__!r} object has no attribute {entry!r}")
         return value
@@ -267,9 +268,20 @@ def install_runner_adapter(cls: type, convention: Convention, owner_cls: type | 
         _record_owner_after(owner_cls, lambda layer, bound: (getattr(layer, "runner", None), layer))
     get_entry.__moe_passes_adapter__ = NAME
     setattr(cls, entry, property(get_entry, set_entry, doc="vLLM's op; its body by reference under hpu_moe"))
+    _move_stored_entries(cls, entry, stored)
     setattr(cls, ENCODE_NAME, encode_layer_name)
     record_adapted(cls, NAME)
     return True
+
+
+def _move_stored_entries(cls: type, entry: str, stored: str) -> None:
+    """Runners built before the adapter hold the op in their own `entry`, now shadowed by the property:
+    move it to `stored`, where the property reads it (once, when the adapter is installed)."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), cls):  # type(), not isinstance: a dead weak proxy raises on isinstance
+            own = getattr(obj, "__dict__", None)
+            if isinstance(own, dict) and entry in own:
+                own[stored] = own.pop(entry)
 
 
 def _record_owner_after(cls: type, runner_and_layer) -> None:
