@@ -22,9 +22,10 @@ from . import lowering
 from .adapters import install_discovery_hook
 from .ir import carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
 from .options import Options
-from .passes.pipeline import fuse_moe
+from .passes import already_fused
+from .passes.pipeline import fuse_moe, layer_name
 from .printer import format_graph
-from .report import Declined, GraphRecord, collecting_now, next_graph_index, publish
+from .report import AlreadyFused, Declined, GraphRecord, collecting_now, next_graph_index, publish
 from .verify import compare_rewrite
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ def rewrite_graph(
         record.captured = format_graph(canonical)
         _trace_artifact(f"moe_passes_graph_{record.index}_before", lambda: record.captured)
         log.debug("graph %d before the MoE rewrite:\n%s", record.index, record.captured)
+    record.already_fused.extend(
+        AlreadyFused(layer_name(c.node), c.overload, c.num_experts, c.experts_min, c.experts_max, record.index)
+        for c in already_fused.find(canonical.graph)
+    )
     with _timed(record, "fuse"):
         fused, declined = fuse_moe(canonical, target, record.index, strict=options.strict)
     record.declined.extend(declined)

@@ -124,6 +124,7 @@ def _build_report(opts: Options, records, events: _DynamoEvents) -> Report:
     for record in records:
         report.fused.extend(record.fused)
         report.declined.extend(record.declined)
+        report.already_fused.extend(record.already_fused)
         if record.fallback:
             report.fallbacks.append(f"graph {record.index}: {record.fallback}")
         report.graphs.append(

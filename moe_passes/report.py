@@ -48,6 +48,18 @@ class Declined:
     stopped_at: str = ""  # the node where matching stopped, as the captured graph prints it, with its source
 
 
+@dataclass(frozen=True)
+class AlreadyFused:
+    """A call of the fused MoE kernel the model already made: left exactly as written."""
+
+    layer: str
+    overload: str  # e.g. "hpu::mixture_of_experts.default"
+    num_experts: int | None = None
+    experts_min: int | None = None
+    experts_max: int | None = None
+    graph: int = 0
+
+
 @dataclass
 class GraphRecord:
     """The outcome for one graph the backend compiled."""
@@ -55,6 +67,7 @@ class GraphRecord:
     index: int
     fused: list[Fused] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
+    already_fused: list[AlreadyFused] = field(default_factory=list)
     fallback: str | None = None  # set when the graph went to the inner backend unrewritten
     compile_id: str | None = None  # dynamo's "frame/compile" id of the compile that produced the graph
     captured: str | None = None  # the graph before the MoE rewrite (stable printer), when collected
@@ -128,6 +141,7 @@ REPORT_KEYS = (
     "recompile_count",
     "fused",
     "declined",
+    "already_fused",
     "graph_breaks",
     "compiles",
     "recompiles",
@@ -153,6 +167,7 @@ class Report:
     compile_count: int = 0
     fused: list[Fused] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
+    already_fused: list[AlreadyFused] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     target: str = ""
@@ -188,6 +203,7 @@ class Report:
                 **data,
                 "fused": [Fused(**f) for f in data["fused"]],
                 "declined": [Declined(**d) for d in data["declined"]],
+                "already_fused": [AlreadyFused(**a) for a in data["already_fused"]],
                 "graph_breaks": [
                     GraphBreak(**{**b, "user_stack": frames(b["user_stack"])}) for b in data["graph_breaks"]
                 ],
@@ -225,6 +241,14 @@ class Report:
                 f"    [graph {f.graph}] {f.layer}: {f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"
             )
+        if self.already_fused:
+            lines.append(f"  already fused (the model calls the kernel itself; left as written): {len(self.already_fused)}")
+            for a in self.already_fused:
+                experts = f", {a.num_experts} experts" if a.num_experts is not None else ""
+                window = (
+                    f" (ids {a.experts_min}..{a.experts_max})" if a.experts_min is not None and a.experts_max is not None else ""
+                )
+                lines.append(f"    [graph {a.graph}] {a.layer}: {a.overload}{experts}{window}")
         lines.append(f"  declined candidates: {len(self.declined)}")
         for d in self.declined:
             lines.append(f"    [graph {d.graph}] {d.candidate} ({d.form}): {d.reason}")

@@ -141,3 +141,49 @@ def test_gpt_oss_lowers_to_the_hpu_bias_variant():
         assert call["options"].get("limit", 7.0) == pytest.approx(7.0)
     assert len(out["calls"]) == len(out["overloads"]) == 3
     assert out["max_error"] < 0.1
+
+
+ALREADY_FUSED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from tests import hpu_contract
+    hpu_contract.register_fake_gaudi_bridge()
+    from tests.optimum_habana_mirror import TwoLayers
+    from tests.helpers import RecordingInner, eager_output
+    from moe_passes.explain import explain_and_run
+
+    model = TwoLayers().eval()
+    x = torch.randn(1, 6, 16)
+    recorder = RecordingInner("eager")
+    report, output = explain_and_run(model, x, options={{"inner": recorder}})
+    handed_on = [str(n.target) for g in recorder.graphs for n in g.graph.nodes if "mixture_of_experts" in str(n.target)]
+    print(json.dumps({{
+        "graphs": report.graph_count, "breaks": report.graph_break_count,
+        "fused": len(report.fused), "declined": len(report.declined),
+        "already": [[a.layer, a.overload, a.num_experts, a.experts_min, a.experts_max] for a in report.already_fused],
+        "handed_on": handed_on,
+        "text": str(report),
+        "max_error": (output - eager_output(model, (x,))).abs().max().item(),
+    }}))
+    """
+)
+
+
+def test_a_model_that_calls_the_kernel_itself_is_left_as_written_and_reported_as_already_fused():
+    result = subprocess.run(
+        [sys.executable, "-c", ALREADY_FUSED_SCRIPT.format(root=str(ROOT))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (out["graphs"], out["breaks"], out["fused"], out["declined"]) == (1, 0, 0, 0), out["text"]
+    assert out["already"] == [
+        [f"layers.{i}", "hpu::mixture_of_experts.default", 4, 0, 3] for i in range(2)
+    ], out["text"]
+    assert out["handed_on"] == ["hpu.mixture_of_experts"] * 2  # as captured: the packet, as the model called it
+    assert "already fused" in out["text"]
+    assert out["max_error"] == 0.0

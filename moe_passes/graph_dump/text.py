@@ -57,7 +57,7 @@ def summary_items(report: Report) -> list[tuple[str, str]]:
         ("recompiles", str(report.recompile_count)),
         ("fused layers", str(len(report.fused))),
         ("declined candidates", str(len(report.declined))),
-    ]
+    ] + ([("already fused", str(len(report.already_fused)))] if report.already_fused else [])
 
 
 def pass_times(report: Report) -> str:
