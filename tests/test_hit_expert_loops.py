@@ -237,3 +237,59 @@ def test_the_report_names_a_loop_left_as_written():
     named = [a for a in report.advice if a.startswith("expert loop left as written")]
     assert len(named) == 1 and "an `if` statement in the loop body" in named[0], report.advice
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class GuardedRangeLoop(HitExpertLoopMoE):
+    """transformers 4.55 DeepSeek-V3 / GLM-4-MoE / dots1: a `moe` method looping over every expert, the
+    work under `if token_indices.numel() > 0:` (a data-dependent branch: dynamo breaks the graph)."""
+
+    def moe(self, hidden_states, topk_indices, topk_weights):
+        final_hidden_states = torch.zeros_like(hidden_states, dtype=topk_weights.dtype)
+        expert_mask = torch.nn.functional.one_hot(topk_indices, num_classes=len(self.experts))
+        expert_mask = expert_mask.permute(2, 0, 1)
+        for expert_idx in range(len(self.experts)):
+            expert = self.experts[expert_idx]
+            mask = expert_mask[expert_idx]
+            token_indices, weight_indices = torch.where(mask)
+            if token_indices.numel() > 0:
+                expert_weights = topk_weights[token_indices, weight_indices]
+                expert_input = hidden_states[token_indices]
+                expert_output = expert(expert_input)
+                weighted_output = expert_output * expert_weights.unsqueeze(-1)
+                final_hidden_states.index_add_(0, token_indices, weighted_output)
+        return final_hidden_states.type(hidden_states.dtype)
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        return self.moe(hidden_states, selected_experts, routing_weights).view(x.shape)
+
+
+class GuardWithAnotherEffect(GuardedRangeLoop):
+    def moe(self, hidden_states, topk_indices, topk_weights):
+        final_hidden_states = torch.zeros_like(hidden_states, dtype=topk_weights.dtype)
+        expert_mask = torch.nn.functional.one_hot(topk_indices, num_classes=len(self.experts)).permute(2, 0, 1)
+        for expert_idx in range(len(self.experts)):
+            token_indices, weight_indices = torch.where(expert_mask[expert_idx])
+            if token_indices.numel() > 0:
+                final_hidden_states.index_add_(0, token_indices, self.experts[expert_idx](hidden_states[token_indices]))
+                final_hidden_states += 0.1  # runs only for experts some token chose
+        return final_hidden_states.type(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6), dict(top_k=1)], ids=["default", "decode", "top1"])
+def test_emptiness_guards_in_a_method_are_removed_and_the_loop_fused(overrides):
+    model, inputs = FORM.build(layers=1, **overrides)
+    _swap(model, GuardedRangeLoop)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_guard_over_another_effect_is_kept_with_its_graph_break():
+    model, inputs = FORM.build(layers=1, tokens=2, num_experts=6)
+    _swap(model, GuardWithAnotherEffect)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -73,20 +73,20 @@ def adapters_active() -> bool:
     return bool(options.get("adapters", True)) if isinstance(options, dict) else True
 
 
-def install(cls: type, traceable_forward: Callable, name: str) -> bool:
-    """Give `cls` a forward that runs `traceable_forward` under hpu_moe tracing; False if already done."""
-    if cls in _ADAPTED or getattr(cls.forward, "__moe_passes_original__", None) is not None:
+def install(cls: type, traceable_forward: Callable, name: str, method: str = "forward") -> bool:
+    """Give `cls` a `method` that runs `traceable_forward` under hpu_moe tracing; False if already done."""
+    original = cls.__dict__.get(method, getattr(cls, method))
+    if getattr(original, "__moe_passes_original__", None) is not None or (method == "forward" and cls in _ADAPTED):
         return False
-    original = cls.forward
 
     @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def adapted(self, *args, **kwargs):
         if adapters_active():
             return traceable_forward(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
-    forward.__moe_passes_original__ = original
-    cls.forward = forward
+    adapted.__moe_passes_original__ = original
+    setattr(cls, method, adapted)
     record_adapted(cls, name)
     return True
 

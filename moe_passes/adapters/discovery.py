@@ -40,9 +40,12 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
     for cls in classes:
         if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
-        elif (forward := hit_expert_loops.traceable_forward_of(cls)) is not None and install(
-            cls, forward, hit_expert_loops.NAME
-        ):
+            continue
+        installed = [
+            install(cls, traced, hit_expert_loops.NAME, method)
+            for method, traced in hit_expert_loops.adaptations_of(cls).items()
+        ]
+        if any(installed):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
     from . import vllm
 

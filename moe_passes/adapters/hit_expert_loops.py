@@ -219,8 +219,10 @@ def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
     )
 
 
-def _rows_names(stmt: ast.stmt, mask: str, var: str) -> set[str]:
-    """Names bound to the indices of M[var]'s non-zero entries by this statement (else empty)."""
+def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> set[str]:
+    """Names bound to the indices of M[var]'s non-zero entries by this statement (else empty).
+
+    With `mask` None (a loop over every expert), the non-zero entries of any tensor."""
     if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
         return set()
     value = stmt.value
@@ -232,16 +234,49 @@ def _rows_names(stmt: ast.stmt, mask: str, var: str) -> set[str]:
         operand = value.func.value if not value.args else value.args[0]
     else:
         return set()
-    if not _selects_row(operand, mask, var):
+    if mask is not None and not _selects_row(operand, mask, var):
         return set()
     return set(_stored_names(stmt.targets[0]))
 
 
-def _check_body(loop: ast.For, var: str, mask: str, fn_def: ast.FunctionDef) -> None:
-    """The body's only effect is one accumulation at rows that are empty for an expert not hit."""
+def _emptiness_guard(stmt: ast.stmt, rows: set[str]) -> bool:
+    """`if rows.numel() > 0:` / `if rows.shape[0] > 0:` / `if len(rows) > 0:` (or `!= 0`, or bare), no else."""
+    if not isinstance(stmt, ast.If) or stmt.orelse:
+        return False
+    test = stmt.test
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        zero = test.comparators[0]
+        if not (isinstance(test.ops[0], ast.Gt | ast.NotEq) and isinstance(zero, ast.Constant) and zero.value == 0):
+            return False
+        test = test.left
+    if _call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
+        subject = test.func.value
+    elif _call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
+        subject = test.args[0]
+    elif (
+        isinstance(test, ast.Subscript)
+        and isinstance(test.value, ast.Attribute)
+        and test.value.attr == "shape"
+        and isinstance(test.slice, ast.Constant)
+        and test.slice.value == 0
+    ):
+        subject = test.value.value
+    else:
+        return False
+    return isinstance(subject, ast.Name) and subject.id in rows
+
+
+def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef) -> list[int]:
+    """The body's only effect is one accumulation at rows that are empty for an expert not hit.
+
+    `mask` None: a loop over every expert, where only the guards need the proof (a guard that skips
+    the body when the rows are empty skips nothing but an accumulation of nothing). Returns the lines of
+    those guards, which the rewrite removes (dynamo breaks the graph on a data-dependent `if`).
+    """
     bound: set[str] = set()
     rows: set[str] = set()
     accumulations = []
+    guards: list[int] = []
 
     def visit(statements):
         for stmt in statements:
@@ -262,6 +297,9 @@ def _check_body(loop: ast.For, var: str, mask: str, fn_def: ast.FunctionDef) -> 
                 accumulations.append(stmt)
             elif isinstance(stmt, ast.Pass):
                 pass
+            elif _emptiness_guard(stmt, rows):
+                guards.append(stmt.lineno)
+                visit(stmt.body)
             else:
                 kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
@@ -275,6 +313,7 @@ def _check_body(loop: ast.For, var: str, mask: str, fn_def: ast.FunctionDef) -> 
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     _check_accumulation(accumulations[0], rows, bound)
     _check_locals(loop, bound, fn_def)
+    return guards
 
 
 def _check_accumulation(acc, rows: set[str], bound: set[str]) -> None:
@@ -329,39 +368,67 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
 
 def _flat(statements):
     for stmt in statements:
-        if isinstance(stmt, ast.With):
+        if isinstance(stmt, ast.With | ast.If):  # an If here is a checked emptiness guard
             yield from _flat(stmt.body)
         else:
             yield stmt
 
 
-def find_hit_loops(fn) -> tuple[ast.FunctionDef, str, list[HitLoop]]:
-    """Every loop over a hit-expert list in `fn`, each proved equivalent to a loop over all experts.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the traced copy of a function changes: hit loops, emptiness guards, shape capture."""
 
-    Raises NotAdaptable naming the first construct that stops the proof.
+    hit_loops: list[HitLoop]
+    guards: list[int]  # lines of `if rows.numel() > 0:` guards whose body runs unconditionally
+    captures_shapes: bool  # some loop selects tokens with torch.where / nonzero
+
+    def changes_anything(self) -> bool:
+        return bool(self.hit_loops or self.guards or self.captures_shapes)
+
+
+def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
+    """Every expert loop of `fn`: hit loops proved equivalent to loops over all experts, emptiness
+    guards proved removable, and whether data-dependent shapes must be captured.
+
+    Raises NotAdaptable naming the first construct that stops the proof of a hit loop (a loop over all
+    experts whose guard cannot be proved removable keeps it, and its graph break).
     """
     fn_def, filename, _ = _function_source(fn)
     assignments = _assignments(fn_def)
     loads = [n for n in _walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    loops = []
+    loops, guards, captures = [], [], False
     for node in _walk_function(fn_def):
         if not isinstance(node, ast.For):
             continue
+        selects = _selects_tokens(node)
+        captures = captures or selects
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
-        if not isinstance(hit, ast.Name):
-            continue
-        bound = assignments.get(hit.id, [])
+        bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
         operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
         if operand is None:
-            continue  # not a loop over nonzero rows: nothing to do
+            if selects and isinstance(node.target, ast.Name) and any(isinstance(s, ast.If) for s in node.body):
+                try:
+                    guards.extend(_check_body(node, node.target.id, None, fn_def))
+                except NotAdaptable as exc:
+                    log.info("expert loop guard kept: %s", exc)
+            continue
         if not isinstance(node.target, ast.Name) or node.orelse:
             raise NotAdaptable(f"line {node.lineno}: the loop target is not a single name, or has an else")
         if sum(1 for n in loads if n.id == hit.id) != 1:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
         mask, _dims = _hit_test_mask(operand, assignments)
-        _check_body(node, node.target.id, mask, fn_def)
+        guards.extend(_check_body(node, node.target.id, mask, fn_def))
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask))
-    return fn_def, filename, loops
+    return fn_def, filename, Plan(loops, guards, captures)
+
+
+def _selects_tokens(loop: ast.For) -> bool:
+    """The loop calls `torch.where(x)` (one argument) or `.nonzero(...)`."""
+    for inner in ast.walk(loop):
+        name = _call_name(inner)
+        if name == "nonzero" or (name == "where" and len(inner.args) == 1 and not inner.keywords):
+            return True
+    return False
 
 
 def _is_full_slice(expr: ast.AST) -> bool:
@@ -381,10 +448,16 @@ def _is_full_slice(expr: ast.AST) -> bool:
 class _Rewrite(ast.NodeTransformer):
     """`H = C.nonzero()` -> `H, all = all_rows(C, M, dims)`; `for v in H:` -> loop over indices."""
 
-    def __init__(self, loops: list[HitLoop], fn_def: ast.FunctionDef):
-        self.by_hit = {loop.hit: loop for loop in loops}
-        self.by_line = {loop.line: loop for loop in loops}
+    def __init__(self, plan: Plan, fn_def: ast.FunctionDef):
+        self.by_hit = {loop.hit: loop for loop in plan.hit_loops}
+        self.by_line = {loop.line: loop for loop in plan.hit_loops}
+        self.guards = set(plan.guards)
         self.assignments = _assignments(fn_def)
+
+    def visit_If(self, node: ast.If):
+        if node.lineno in self.guards:  # a proved emptiness guard: its body runs unconditionally
+            return [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
+        return self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
@@ -404,7 +477,8 @@ class _Rewrite(ast.NodeTransformer):
         if loop is None:
             return self.generic_visit(node)
         index = f"{_INDEX}_{loop.var}"
-        body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in node.body]
+        visited = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
+        body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in visited]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
         new = ast.For(
             target=ast.Name(index, ast.Store()),
@@ -416,6 +490,10 @@ class _Rewrite(ast.NodeTransformer):
             if hasattr(part, "lineno") or isinstance(part, ast.expr | ast.stmt):
                 ast.copy_location(part, node)
         return new
+
+
+def _as_list(visited) -> list:
+    return visited if isinstance(visited, list) else [visited]
 
 
 class _Subscripts(ast.NodeTransformer):
@@ -442,9 +520,12 @@ def _parse_expr(text: str, ctx=None) -> ast.expr:
     return expr
 
 
-def rewrite(fn, fn_def: ast.FunctionDef, filename: str, loops: list[HitLoop]) -> types.FunctionType:
-    """`fn` with each hit loop running over all experts; same globals, closure, defaults and file."""
-    new_def = _Rewrite(loops, fn_def).visit(fn_def)
+def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.FunctionType:
+    """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
+    closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
+    new_def = _Rewrite(plan, fn_def).visit(fn_def)
+    capture = ast.parse(f"{_HELPERS}.capture_dynamic_output_shapes()").body[0]
+    new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
     new_def.decorator_list = []
     free = list(fn.__code__.co_freevars)
     factory = ast.parse(f"def __moe_passes_factory({', '.join([*free, _HELPERS])}):\n    pass").body[0]
@@ -521,70 +602,61 @@ def _capture_dynamic_output_shapes() -> bool:
     return True
 
 
+def _docstring_count(fn_def: ast.FunctionDef) -> int:
+    first = fn_def.body[0]
+    return int(isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str))
+
+
 def _helpers_namespace() -> types.SimpleNamespace:
-    return types.SimpleNamespace(all_rows=all_rows, pick=pick)
+    return types.SimpleNamespace(
+        all_rows=all_rows, pick=pick, capture_dynamic_output_shapes=_capture_dynamic_output_shapes
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Recognition, cached per class
 
-_DECISIONS: dict[type, types.FunctionType | str] = {}
+_DECISIONS: dict[tuple[type, str], types.FunctionType | str] = {}
+
+
+def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
+    """{method name: the copy to trace under hpu_moe} for the methods of `cls` with expert loops.
+
+    Reasons for methods left as written are kept for `declined_classes` and the report.
+    """
+    found = {}
+    for name, fn in list(cls.__dict__.items()):
+        code = getattr(fn, "__code__", None)
+        if not isinstance(fn, types.FunctionType) or not {"nonzero", "where"} & set(code.co_names):
+            continue  # cheap filter: no token selection, nothing to adapt
+        traced = _decide(cls, name, fn)
+        if traced is not None:
+            found[name] = traced
+    return found
 
 
 def traceable_forward_of(cls: type) -> types.FunctionType | None:
-    """The forward to trace for `cls` under hpu_moe, or None (the reason is kept for `declined_classes`).
+    """The copy of `cls.forward` to trace under hpu_moe, or None."""
+    return adaptations_of(cls).get("forward")
 
-    A loop over the hit experts gets the all-experts rewrite; a loop over `range(E)` whose body selects
-    its tokens with `torch.where(mask[e])` / `nonzero` only needs data-dependent shapes captured.
-    """
-    if cls in _DECISIONS:
-        decision = _DECISIONS[cls]
-        return decision if isinstance(decision, types.FunctionType) else None
-    forward = cls.__dict__.get("forward")
-    code = getattr(forward, "__code__", None)
-    if code is None or not {"nonzero", "where"} & set(code.co_names):
-        return None  # cheap filter: no token selection, nothing to adapt
-    try:
-        if getattr(forward, "__wrapped__", None) is not None:
-            raise NotAdaptable("forward is wrapped by a decorator")
-        fn_def, filename, loops = find_hit_loops(forward)
-        if loops:
-            decision = rewrite(forward, fn_def, filename, loops)
-        elif _selects_tokens_in_a_loop(fn_def):
-            decision = _with_dynamic_shapes(forward)
-        else:
-            return None
-    except NotAdaptable as exc:
-        decision = f"{cls.__module__}.{cls.__qualname__}.forward: {exc}"
-        log.info("expert loop not adapted: %s", decision)
-    except (SyntaxError, ValueError, StopIteration) as exc:  # unusual source: leave it as written
-        decision = f"{cls.__module__}.{cls.__qualname__}.forward: source not understood ({exc})"
-        log.info("expert loop not adapted: %s", decision)
-    _DECISIONS[cls] = decision
+
+def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType | None:
+    key = (cls, name)
+    if key not in _DECISIONS:
+        where = f"{cls.__module__}.{cls.__qualname__}.{name}"
+        try:
+            if getattr(fn, "__wrapped__", None) is not None:
+                raise NotAdaptable(f"{name} is wrapped by a decorator")
+            fn_def, filename, plan = analyse(fn)
+            _DECISIONS[key] = rewrite(fn, fn_def, filename, plan) if plan.changes_anything() else "nothing to adapt"
+        except NotAdaptable as exc:
+            _DECISIONS[key] = f"{where}: {exc}"
+            log.info("expert loop not adapted: %s", _DECISIONS[key])
+        except (SyntaxError, ValueError, StopIteration) as exc:  # unusual source: leave it as written
+            _DECISIONS[key] = f"{where}: source not understood ({exc})"
+            log.info("expert loop not adapted: %s", _DECISIONS[key])
+    decision = _DECISIONS[key]
     return decision if isinstance(decision, types.FunctionType) else None
-
-
-def _selects_tokens_in_a_loop(fn_def: ast.FunctionDef) -> bool:
-    """A `for` loop whose body calls `torch.where(x)` (one argument) or `.nonzero(...)`."""
-    for node in _walk_function(fn_def):
-        if isinstance(node, ast.For):
-            for inner in ast.walk(node):
-                name = _call_name(inner)
-                if name == "nonzero" or (name == "where" and len(inner.args) == 1 and not inner.keywords):
-                    return True
-    return False
-
-
-def _with_dynamic_shapes(forward) -> types.FunctionType:
-    """`forward` itself, traced with data-dependent output shapes captured (the semantics do not change)."""
-
-    def traced_with_dynamic_shapes(self, *args, **kwargs):
-        _capture_dynamic_output_shapes()
-        return forward(self, *args, **kwargs)
-
-    traced_with_dynamic_shapes.__qualname__ = forward.__qualname__
-    traced_with_dynamic_shapes.__module__ = forward.__module__
-    return traced_with_dynamic_shapes
 
 
 def declined_at(locations) -> list[str]:
@@ -595,9 +667,10 @@ def declined_at(locations) -> list[str]:
         if line.isdigit():
             wanted.add((os.path.realpath(path), int(line)))
     found = []
-    for cls, reason in _DECISIONS.items():
-        code = getattr(cls.__dict__.get("forward"), "__code__", None)
-        if not isinstance(reason, str) or code is None:
+    for (cls, name), reason in _DECISIONS.items():
+        code = getattr(cls.__dict__.get(name), "__code__", None)
+        code = getattr(getattr(cls.__dict__.get(name), "__moe_passes_original__", None), "__code__", code)
+        if not isinstance(reason, str) or reason == "nothing to adapt" or code is None:
             continue
         path = os.path.realpath(code.co_filename)
         lines = {line for _, _, line in code.co_lines() if line is not None}
@@ -610,6 +683,6 @@ def declined_classes() -> dict[str, str]:
     """{"module.Class": reason} for classes whose hit-expert loops were left as written."""
     return {
         f"{cls.__module__}.{cls.__qualname__}": reason
-        for cls, reason in _DECISIONS.items()
-        if isinstance(reason, str)
+        for (cls, _name), reason in _DECISIONS.items()
+        if isinstance(reason, str) and reason != "nothing to adapt"
     }
