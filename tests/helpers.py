@@ -76,7 +76,8 @@ def torch_release() -> tuple[int, int]:
 
 
 def skip_unless_the_dp_context_breaks(broke: bool) -> None:
-    """The catalog's vLLM pattern breaks the graph at `.tolist()` in its DP context from torch 2.11 on;
-    torch 2.9's dynamo traces that context manager without a break, so break tests cannot apply there."""
+    """The catalog's vLLM pattern breaks the graph in its DP context (at `.tolist()` from torch 2.11, at
+    entering the context on 2.10); torch 2.9's dynamo runs it without a break, so break tests cannot
+    apply there."""
     if not broke and torch_release() < (2, 11):
         pytest.skip(f"torch {torch.__version__} traces the DP context's .tolist() without a graph break")

@@ -59,14 +59,19 @@ def test_graph_breaks_carry_the_user_stack_into_the_model_source():
     report = run_each_layer({"inner": "eager", "adapters": False, "target": "portable"}, 3, dp_metadata=True)
     skip_unless_the_dp_context_breaks(report.graph_break_count > 0)
     assert report.graph_break_count == len(report.graph_breaks) > 0, str(report)
+    # torch 2.11+ breaks at `.tolist()` inside the DP context; torch 2.10 already at entering it (dynamo
+    # does not inline the generator context manager's __enter__): both are the context access
+    at_tolist = f"{VLLM_FILE}:{_line_of('.repeat_interleave(sequence_parallel_size).tolist()')}"
+    at_with = f"{VLLM_FILE}:{_line_of('with self._sequence_parallel_context():')}"
     for graph_break in report.graph_breaks:
-        assert (
-            graph_break.location
-            == f"{VLLM_FILE}:{_line_of('.repeat_interleave(sequence_parallel_size).tolist()')}"
-        )
-        assert "_local_scalar_dense" in graph_break.reason
+        assert graph_break.location in (at_tolist, at_with), graph_break
         innermost = graph_break.user_stack[-1]
-        assert (innermost.file, innermost.function) == (VLLM_FILE, "sp_local_sizes")
+        if graph_break.location == at_tolist:
+            assert "_local_scalar_dense" in graph_break.reason
+            assert (innermost.file, innermost.function) == (VLLM_FILE, "sp_local_sizes")
+        else:
+            assert "__enter__" in graph_break.reason
+            assert (innermost.file, innermost.function) == (VLLM_FILE, "forward")
         assert any(
             f.function == "forward" and "_sequence_parallel_context" in f.code for f in graph_break.user_stack
         )

@@ -100,9 +100,10 @@ def test_plain_inductor_recompiles_per_layer_then_falls_back_to_eager(model_and_
         out = run_layers(layers, x)
     # The context access breaks the graph; one compile per layer until the limit; later layers run eagerly.
     skip_unless_the_dp_context_breaks(bool(counters["graph_break"]))
-    assert any("_local_scalar_dense" in reason for reason in counters["graph_break"]), dict(
-        counters["graph_break"]
-    )
+    # `.tolist()` in the DP context (torch 2.11+), or entering that context (torch 2.10 does not inline it)
+    assert any(
+        "_local_scalar_dense" in reason or "__enter__" in reason for reason in counters["graph_break"]
+    ), dict(counters["graph_break"])
     assert counters["frames"]["ok"] >= limit and counters["frames"]["total"] > counters["frames"]["ok"]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
