@@ -16,15 +16,19 @@ transformers = pytest.importorskip("transformers")
 if not transformers.__version__.startswith("4."):
     pytest.skip(f"transformers {transformers.__version__} is not a 4.x release", allow_module_level=True)
 
-from moe_passes.tiny_models import inputs, tiny_model  # noqa: E402
+from moe_passes.tiny_models import inputs, moe_families, tiny_model  # noqa: E402
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe  # noqa: E402
 
-# Hit-expert loops (`for expert_idx in expert_hit`) in 4.55 and 4.57, and OLMoE's range(E) loop.
-HIT_LOOP_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "minimax"]
-RANGE_LOOP_FAMILIES = ["olmoe"]
+# Hit-expert loops (`for expert_idx in expert_hit`), range(E) loops with torch.where (OLMoE, FlexOlmo),
+# and range(E) loops in a `moe` method with an `if token_indices.numel() > 0:` guard (DeepSeek-V3,
+# GLM-4-MoE, dots1). Families a release lacks are skipped.
+HIT_LOOP_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "minimax", "ernie4_5_moe", "hunyuan_v1_moe"]
+RANGE_LOOP_FAMILIES = ["olmoe", "flex_olmo", "deepseek_v3", "glm4_moe", "dots1"]
 
 
 def _run(family: str):
+    if family not in moe_families():
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
     torch.manual_seed(0)
     model = tiny_model(family, None)
     args, _ = inputs(model)
