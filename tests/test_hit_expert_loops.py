@@ -211,8 +211,15 @@ def test_any_hit_test_and_index_put_are_adapted_and_fused():
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
-def test_adapters_off_leave_the_loop_as_written():
-    model, inputs = FORM.build(layers=1)
+@pytest.mark.parametrize("loop", ["hit_experts", "range_loop", "guarded_range_loop"])
+def test_adapters_off_leave_the_loop_as_written(loop):
+    """Each kind of loop the adapter handles breaks the graph, and nothing fuses, without it."""
+    if loop == "range_loop":
+        model, inputs = catalog()["hf4_sparse_loop"].build(layers=1)  # its DYNAMO_CONFIG not applied
+    else:
+        model, inputs = FORM.build(layers=1)
+        if loop == "guarded_range_loop":
+            _swap(model, GuardedRangeLoop)
     report, output, recorder = run_hpu_moe(model, inputs, adapters=False)
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
