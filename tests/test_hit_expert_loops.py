@@ -284,10 +284,30 @@ class GuardWithAnotherEffect(GuardedRangeLoop):
         return final_hidden_states.type(hidden_states.dtype)
 
 
+class SkipEmptyRangeLoop(HitExpertLoopMoE):
+    """transformers 4.x Jamba / PhiMoE: `if top_x.shape[0] == 0: continue` before the work."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        final_hidden_states = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+            current_state = hidden_states[None, top_x].reshape(-1, x.shape[-1])
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        return final_hidden_states.view(x.shape)
+
+
 @pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6), dict(top_k=1)], ids=["default", "decode", "top1"])
-def test_emptiness_guards_in_a_method_are_removed_and_the_loop_fused(overrides):
+@pytest.mark.parametrize("cls", [GuardedRangeLoop, SkipEmptyRangeLoop], ids=lambda c: c.__name__)
+def test_emptiness_guards_are_removed_and_the_loop_fused(cls, overrides):
     model, inputs = FORM.build(layers=1, **overrides)
-    _swap(model, GuardedRangeLoop)
+    _swap(model, cls)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 1, str(report)

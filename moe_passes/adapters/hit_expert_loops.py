@@ -239,6 +239,19 @@ def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> set[str]:
     return set(_stored_names(stmt.targets[0]))
 
 
+def _skip_when_empty(stmt: ast.stmt, rows: set[str]) -> bool:
+    """`if rows.shape[0] == 0: continue` (or `.numel() == 0`, `len(rows) == 0`, `not rows.numel()`)."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return False
+    test = stmt.test
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _size_of_rows(test.operand, rows)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        zero = test.comparators[0]
+        return isinstance(zero, ast.Constant) and zero.value == 0 and _size_of_rows(test.left, rows)
+    return False
+
+
 def _emptiness_guard(stmt: ast.stmt, rows: set[str]) -> bool:
     """`if rows.numel() > 0:` / `if rows.shape[0] > 0:` / `if len(rows) > 0:` (or `!= 0`, or bare), no else."""
     if not isinstance(stmt, ast.If) or stmt.orelse:
@@ -249,6 +262,11 @@ def _emptiness_guard(stmt: ast.stmt, rows: set[str]) -> bool:
         if not (isinstance(test.ops[0], ast.Gt | ast.NotEq) and isinstance(zero, ast.Constant) and zero.value == 0):
             return False
         test = test.left
+    return _size_of_rows(test, rows)
+
+
+def _size_of_rows(test: ast.AST, rows: set[str]) -> bool:
+    """`rows.numel()`, `len(rows)` or `rows.shape[0]` for a name in `rows`."""
     if _call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
         subject = test.func.value
     elif _call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
@@ -300,6 +318,8 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
             elif _emptiness_guard(stmt, rows):
                 guards.append(stmt.lineno)
                 visit(stmt.body)
+            elif _skip_when_empty(stmt, rows):
+                guards.append(stmt.lineno)  # skipping when the rows are empty skips an accumulation of nothing
             else:
                 kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
@@ -391,7 +411,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     guards proved removable, and whether data-dependent shapes must be captured.
 
     Raises NotAdaptable naming the first construct that stops the proof of a hit loop (a loop over all
-    experts whose guard cannot be proved removable keeps it, and its graph break).
+    experts whose guard cannot be proved removable keeps it, and its graph break). Guards are
+    `if rows.numel() > 0:` around the work and `if rows.shape[0] == 0: continue` before it.
     """
     fn_def, filename, _ = _function_source(fn)
     assignments = _assignments(fn_def)
@@ -456,6 +477,8 @@ class _Rewrite(ast.NodeTransformer):
 
     def visit_If(self, node: ast.If):
         if node.lineno in self.guards:  # a proved emptiness guard: its body runs unconditionally
+            if len(node.body) == 1 and isinstance(node.body[0], ast.Continue):
+                return ast.copy_location(ast.Pass(), node)
             return [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
         return self.generic_visit(node)
 
