@@ -320,3 +320,28 @@ def test_a_guard_over_another_effect_is_kept_with_its_graph_break():
     report, output, recorder = run_hpu_moe(model, inputs)
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class GuardOnOtherRows(GuardedRangeLoop):
+    """The guard tests the rows of one mask, the accumulation uses another's: not removable."""
+
+    def moe(self, hidden_states, topk_indices, topk_weights):
+        final_hidden_states = torch.zeros_like(hidden_states, dtype=topk_weights.dtype)
+        expert_mask = torch.nn.functional.one_hot(topk_indices, num_classes=len(self.experts)).permute(2, 0, 1)
+        first_slot = expert_mask[:, :, :1]
+        for expert_idx in range(len(self.experts)):
+            first_tokens, _ = torch.where(first_slot[expert_idx])
+            token_indices, weight_indices = torch.where(expert_mask[expert_idx])
+            if first_tokens.numel() > 0:
+                expert_output = self.experts[expert_idx](hidden_states[token_indices])
+                final_hidden_states.index_add_(0, token_indices, expert_output * topk_weights[token_indices, weight_indices, None])
+        return final_hidden_states.type(hidden_states.dtype)
+
+
+def test_a_guard_on_other_rows_than_the_accumulation_is_kept():
+    assert hit_expert_loops.adaptations_of(GuardOnOtherRows)["moe"] is not None  # shapes still captured
+    model, inputs = FORM.build(layers=1, tokens=2, num_experts=6)
+    _swap(model, GuardOnOtherRows)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

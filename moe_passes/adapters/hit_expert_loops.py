@@ -22,9 +22,14 @@ element bound to the loop variable is the same [1]-shaped int64 tensor as before
 keeps its shapes (top-1 routing included). Whether the hit test really reduced every non-leading
 dimension is checked when the loop is traced; where it did not, the original `nonzero` is kept.
 
-`torch.where(M[e])` has a data-dependent size: while the adapted forward is traced, dynamo's
-`capture_dynamic_output_shape_ops` is turned on for that compile (and restored when it ends), so the
-loop becomes one graph that the sparse-loop finder fuses.
+Loops over every expert (`range(E)`) keep their iteration; a guard that skips the work when the
+expert's rows are empty (`if rows.numel() > 0:` around it, `if rows.shape[0] == 0: continue` before it:
+a data-dependent branch that breaks the graph) is removed when the guarded work is that one
+accumulation at those same rows, which adds nothing for empty rows.
+
+`torch.where(M[e])` has a data-dependent size: while the adapted method is traced (any method of the
+class, e.g. DeepSeek-V3's `moe`), dynamo's `capture_dynamic_output_shape_ops` is turned on for that
+compile (and restored when it ends), so the loop becomes one graph that the sparse-loop finder fuses.
 """
 
 from __future__ import annotations
@@ -219,12 +224,12 @@ def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
     )
 
 
-def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> set[str]:
+def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> list[str]:
     """Names bound to the indices of M[var]'s non-zero entries by this statement (else empty).
 
     With `mask` None (a loop over every expert), the non-zero entries of any tensor."""
     if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
-        return set()
+        return []
     value = stmt.value
     name = _call_name(value)
     as_tuple = any(k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value for k in value.keywords) if isinstance(value, ast.Call) else False
@@ -233,40 +238,42 @@ def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> set[str]:
     elif name == "nonzero" and as_tuple:
         operand = value.func.value if not value.args else value.args[0]
     else:
-        return set()
+        return []
     if mask is not None and not _selects_row(operand, mask, var):
-        return set()
-    return set(_stored_names(stmt.targets[0]))
+        return []
+    return _stored_names(stmt.targets[0])
 
 
-def _skip_when_empty(stmt: ast.stmt, rows: set[str]) -> bool:
-    """`if rows.shape[0] == 0: continue` (or `.numel() == 0`, `len(rows) == 0`, `not rows.numel()`)."""
+def _skip_when_empty(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
+    """`if rows.shape[0] == 0: continue` (or `.numel() == 0`, `len(rows) == 0`, `not rows.numel()`):
+    the line of the statement that bound those rows, else None."""
     if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
-        return False
+        return None
     test = stmt.test
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return _size_of_rows(test.operand, rows)
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
         zero = test.comparators[0]
-        return isinstance(zero, ast.Constant) and zero.value == 0 and _size_of_rows(test.left, rows)
-    return False
+        return _size_of_rows(test.left, rows) if isinstance(zero, ast.Constant) and zero.value == 0 else None
+    return None
 
 
-def _emptiness_guard(stmt: ast.stmt, rows: set[str]) -> bool:
-    """`if rows.numel() > 0:` / `if rows.shape[0] > 0:` / `if len(rows) > 0:` (or `!= 0`, or bare), no else."""
+def _emptiness_guard(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
+    """`if rows.numel() > 0:` / `if rows.shape[0] > 0:` / `if len(rows) > 0:` (or `!= 0`, or bare), no
+    else: the line of the statement that bound those rows, else None."""
     if not isinstance(stmt, ast.If) or stmt.orelse:
-        return False
+        return None
     test = stmt.test
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         zero = test.comparators[0]
         if not (isinstance(test.ops[0], ast.Gt | ast.NotEq) and isinstance(zero, ast.Constant) and zero.value == 0):
-            return False
+            return None
         test = test.left
     return _size_of_rows(test, rows)
 
 
-def _size_of_rows(test: ast.AST, rows: set[str]) -> bool:
-    """`rows.numel()`, `len(rows)` or `rows.shape[0]` for a name in `rows`."""
+def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
+    """For `r.numel()`, `len(r)` or `r.shape[0]` with r in `rows`: the line that bound r, else None."""
     if _call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
         subject = test.func.value
     elif _call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
@@ -280,8 +287,8 @@ def _size_of_rows(test: ast.AST, rows: set[str]) -> bool:
     ):
         subject = test.value.value
     else:
-        return False
-    return isinstance(subject, ast.Name) and subject.id in rows
+        return None
+    return rows.get(subject.id) if isinstance(subject, ast.Name) else None
 
 
 def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef) -> list[int]:
@@ -292,9 +299,9 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
     those guards, which the rewrite removes (dynamo breaks the graph on a data-dependent `if`).
     """
     bound: set[str] = set()
-    rows: set[str] = set()
+    rows: dict[str, int] = {}  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
-    guards: list[int] = []
+    guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
 
     def visit(statements):
         for stmt in statements:
@@ -303,7 +310,7 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
                 names = [n for t in targets for n in _stored_names(t)]
                 if var in names:
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
-                rows.update(_rows_names(stmt, mask, var))
+                rows.update(dict.fromkeys(_rows_names(stmt, mask, var), stmt.lineno))
                 bound.update(names)
             elif isinstance(stmt, ast.With):
                 if any(item.optional_vars is not None for item in stmt.items):
@@ -315,11 +322,11 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
                 accumulations.append(stmt)
             elif isinstance(stmt, ast.Pass):
                 pass
-            elif _emptiness_guard(stmt, rows):
-                guards.append(stmt.lineno)
+            elif (source := _emptiness_guard(stmt, rows)) is not None:
+                guards.append((stmt.lineno, source))
                 visit(stmt.body)
-            elif _skip_when_empty(stmt, rows):
-                guards.append(stmt.lineno)  # skipping when the rows are empty skips an accumulation of nothing
+            elif (source := _skip_when_empty(stmt, rows)) is not None:
+                guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
             else:
                 kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
@@ -331,12 +338,19 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
     visit(loop.body)
     if len(accumulations) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
-    _check_accumulation(accumulations[0], rows, bound)
+    accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
+    for line, source in guards:
+        if source != accumulated_rows:
+            raise NotAdaptable(
+                f"line {line}: the guard tests other rows than the accumulation's (bound at line {source}, "
+                f"not {accumulated_rows})"
+            )
     _check_locals(loop, bound, fn_def)
-    return guards
+    return [line for line, _ in guards]
 
 
-def _check_accumulation(acc, rows: set[str], bound: set[str]) -> None:
+def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
+    """The line that bound the accumulation's rows, when it is one accumulation into an outer tensor."""
     line = acc.lineno
     if isinstance(acc, ast.AugAssign):
         target, index = acc.target.value, acc.target.slice
@@ -364,6 +378,7 @@ def _check_accumulation(acc, rows: set[str], bound: set[str]) -> None:
         raise NotAdaptable(
             f"line {line}: the accumulated rows are not the non-zero entries of the expert's mask row"
         )
+    return rows[index.id]
 
 
 def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> None:
@@ -649,6 +664,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     """
     found = {}
     for name, fn in list(cls.__dict__.items()):
+        fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         code = getattr(fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not {"nonzero", "where"} & set(code.co_names):
             continue  # cheap filter: no token selection, nothing to adapt
