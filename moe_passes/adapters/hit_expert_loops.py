@@ -62,6 +62,7 @@ class HitLoop:
     var: str
     hit: str  # the name bound to `<test>.nonzero()`
     mask: str  # M in the hit test and in the body's torch.where(M[var])
+    dims: tuple[int, ...]  # the dims of M the hit test reduces
 
 
 class NotAdaptable(Exception):
@@ -72,7 +73,7 @@ class NotAdaptable(Exception):
 # Reading the source
 
 
-def _function_source(fn) -> tuple[ast.FunctionDef, str, int]:
+def _function_source(fn) -> tuple[ast.FunctionDef, str]:
     try:
         lines, first = inspect.getsourcelines(fn)
         filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
@@ -83,7 +84,7 @@ def _function_source(fn) -> tuple[ast.FunctionDef, str, int]:
     if not isinstance(fn_def, ast.FunctionDef):
         raise NotAdaptable(f"{fn.__qualname__} is not a plain function definition")
     ast.increment_lineno(tree, first - 1)
-    return fn_def, filename, first
+    return fn_def, filename
 
 
 def _walk_function(fn_def: ast.FunctionDef):
@@ -429,7 +430,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     experts whose guard cannot be proved removable keeps it, and its graph break). Guards are
     `if rows.numel() > 0:` around the work and `if rows.shape[0] == 0: continue` before it.
     """
-    fn_def, filename, _ = _function_source(fn)
+    fn_def, filename = _function_source(fn)
     assignments = _assignments(fn_def)
     loads = [n for n in _walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     loops, guards, captures = [], [], False
@@ -452,9 +453,9 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             raise NotAdaptable(f"line {node.lineno}: the loop target is not a single name, or has an else")
         if sum(1 for n in loads if n.id == hit.id) != 1:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
-        mask, _dims = _hit_test_mask(operand, assignments)
+        mask, dims = _hit_test_mask(operand, assignments)
         guards.extend(_check_body(node, node.target.id, mask, fn_def))
-        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask))
+        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims))
     return fn_def, filename, Plan(loops, guards, captures)
 
 
@@ -484,11 +485,10 @@ def _is_full_slice(expr: ast.AST) -> bool:
 class _Rewrite(ast.NodeTransformer):
     """`H = C.nonzero()` -> `H, all = all_rows(C, M, dims)`; `for v in H:` -> loop over indices."""
 
-    def __init__(self, plan: Plan, fn_def: ast.FunctionDef):
+    def __init__(self, plan: Plan):
         self.by_hit = {loop.hit: loop for loop in plan.hit_loops}
         self.by_line = {loop.line: loop for loop in plan.hit_loops}
         self.guards = set(plan.guards)
-        self.assignments = _assignments(fn_def)
 
     def visit_If(self, node: ast.If):
         if node.lineno in self.guards:  # a proved emptiness guard: its body runs unconditionally
@@ -500,10 +500,8 @@ class _Rewrite(ast.NodeTransformer):
     def visit_Assign(self, node: ast.Assign):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
             loop = self.by_hit[node.targets[0].id]
-            operand = _nonzero_operand(node.value)
-            _, dims = _hit_test_mask(operand, self.assignments)
-            call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {dims!r})")
-            call.args[0] = operand
+            call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {loop.dims!r})")
+            call.args[0] = _nonzero_operand(node.value)
             new = ast.Assign(
                 targets=[_parse_expr(f"({loop.hit}, {_ALL}_{loop.hit})", ctx=ast.Store())], value=call
             )
@@ -518,16 +516,12 @@ class _Rewrite(ast.NodeTransformer):
         visited = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
         body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in visited]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
-        new = ast.For(
-            target=ast.Name(index, ast.Store()),
-            iter=_parse_expr(f"range({loop.hit}.shape[0])"),
-            body=[bind, *body],
-            orelse=[],
-        )
-        for part in ast.walk(new):  # every new node reports the loop's own line
-            if hasattr(part, "lineno") or isinstance(part, ast.expr | ast.stmt):
-                ast.copy_location(part, node)
-        return new
+        target, iterate = ast.Name(index, ast.Store()), _parse_expr(f"range({loop.hit}.shape[0])")
+        for new in (bind, target, iterate):  # the new nodes report the loop's own line; the body keeps its lines
+            for part in ast.walk(new):
+                if isinstance(part, ast.expr | ast.stmt):
+                    ast.copy_location(part, node)
+        return ast.copy_location(ast.For(target=target, iter=iterate, body=[bind, *body], orelse=[]), node)
 
 
 def _as_list(visited) -> list:
@@ -561,7 +555,7 @@ def _parse_expr(text: str, ctx=None) -> ast.expr:
 def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.FunctionType:
     """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
-    new_def = _Rewrite(plan, fn_def).visit(fn_def)
+    new_def = _Rewrite(plan).visit(fn_def)
     capture = ast.parse(f"{_HELPERS}.capture_dynamic_output_shapes()").body[0]
     new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
     new_def.decorator_list = []
@@ -593,7 +587,6 @@ def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]):
     The proof needs the hit test to be one flag per leading row of the mask: 1-D, as long as the
     mask's first dim, and reduced over dims that are all the others.
     """
-    _capture_dynamic_output_shapes()
     others = {d % mask.dim() for d in dims} if mask.dim() else set()
     if test.dim() == 1 and test.shape[0] == mask.shape[0] and others == set(range(1, mask.dim())):
         return torch.arange(test.shape[0], device=test.device).unsqueeze(-1), True
