@@ -125,8 +125,22 @@ def const_int(value: object) -> int | None:
     return None
 
 
+# Factories that read only the shape, dtype and device of their tensor argument, never its values.
+METADATA_ONLY_OPS = (
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_empty.default,
+    aten.new_full.default,
+)
+
+
 def backward_slice(output: Node, boundary: Iterable[Node]) -> set[Node]:
-    """All nodes `output` depends on, stopping at (and excluding) the boundary nodes and placeholders."""
+    """All nodes whose values `output` depends on, stopping at (and excluding) the boundary nodes and
+    placeholders; `zeros_like(t)` and its kin depend on t's metadata only, so t is not followed."""
     stop = set(boundary)
     seen: set[Node] = set()
     stack = [output]
@@ -135,7 +149,8 @@ def backward_slice(output: Node, boundary: Iterable[Node]) -> set[Node]:
         if node in seen or node in stop or node.op in ("placeholder", "get_attr"):
             continue
         seen.add(node)
-        stack.extend(n for n in node.all_input_nodes)
+        if not is_call(node, *METADATA_ONLY_OPS):
+            stack.extend(n for n in node.all_input_nodes)
     return seen
 
 

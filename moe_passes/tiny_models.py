@@ -106,6 +106,10 @@ LAYER_COUNTS = (
 MOE_ON = dict(enable_moe_block=True, is_moe=True)
 TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+# 4.x configs that leave `layer_types` None although the model indexes it (GraniteMoE-Hybrid 4.57 maps
+# `layers_block_type` to it): every layer of this kind.
+UNSET_LAYER_TYPES = {"granitemoehybrid": "attention"}
+
 # Per-family config overrides (constructor keyword arguments of the config that is shrunk: the text
 # config where the model is built from one), for what the generic shrinking cannot know.
 FAMILY_OVERRIDES: dict[str, dict] = {
@@ -114,6 +118,12 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "dbrx": dict(
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2),
+    ),
+    # 4.x derives its query heads as kv heads x top-k (the attention is a mixture of heads); its head size
+    # (kv_channels, default 128) must equal hidden / heads, which 4.55's rotary embedding assumes
+    "jetmoe": dict(
+        num_attention_heads=TINY["num_key_value_heads"] * TINY["num_experts_per_tok"],
+        kv_channels=TINY["hidden_size"] // (TINY["num_key_value_heads"] * TINY["num_experts_per_tok"]),
     ),
     # its sliding-window layers' head_dim must be the whole MLA q/k head (nope + rope), checked by the config
     "dots3_note": dict(head_dim=TINY["qk_nope_head_dim"] + TINY["qk_rope_head_dim"]),
@@ -261,6 +271,8 @@ def tiny_kwargs(config_cls, family: str, layers: int | None = None) -> dict:
     kwargs.update({key: value for key, value in MOE_ON.items() if key in values})
     layers = layers or TINY["num_hidden_layers"]
     layer_types = values.get("layer_types")
+    if layer_types is None and family in UNSET_LAYER_TYPES and _settable(config_cls, "layer_types"):
+        kwargs["layer_types"] = [UNSET_LAYER_TYPES[family]] * layers
     if isinstance(layer_types, list) and layer_types and _settable(config_cls, "layer_types"):
         # keep every kind of layer the family has (hybrids: one full/indexed attention layer next to the
         # linear-attention one; the cache needs an attention layer to know the sequence length)
@@ -296,8 +308,15 @@ def modeling_source(family: str) -> str:
 
 
 def rope_kwargs(family: str, values: dict) -> dict:
-    """Multimodal RoPE (M-RoPE) sections scaled to the tiny head dim (they must sum to its rotary half)."""
-    rope = values.get("rope_parameters")
+    """Multimodal RoPE (M-RoPE) sections scaled to the tiny head dim (they must sum to its rotary half).
+
+    transformers 4.x keeps them in `rope_scaling`, which some 4.57 configs leave None although the model
+    reads `rope_scaling.get("mrope_section", ...)` (Qwen3-VL-MoE, Qwen3-Omni-MoE): a default RoPE then.
+    """
+    key = "rope_parameters" if "rope_parameters" in values else "rope_scaling"
+    rope = values.get(key)
+    if rope is None and key == "rope_scaling" and re.search(r'rope_scaling\.get\(\s*"mrope_section"', modeling_source(family)):
+        rope = {"rope_type": "default"}
     if not isinstance(rope, dict):
         return {}
     sections = rope.get("mrope_section")
@@ -311,7 +330,7 @@ def rope_kwargs(family: str, values: dict) -> dict:
     target = int(TINY["head_dim"] * factor) // 2
     scaled = [max(1, round(s * target / sum(sections))) for s in sections]
     scaled[-1] = target - sum(scaled[:-1])
-    return {"rope_parameters": {**rope, "mrope_section": scaled}}
+    return {key: {**rope, "mrope_section": scaled}}
 
 
 def model_types() -> list[str]:

@@ -10,8 +10,10 @@ from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 FORMS = catalog()
 FUSED = sorted(n for n, f in FORMS.items() if f.EXPECTED.fused)
-# Forms whose routing is the catalog's Router (the routing overrides apply); the others route their own way.
-ROUTED_BY_CATALOG = [n for n in FUSED if n != "deepseek_v3_routing"]
+# Forms whose routing is the catalog's Router (the routing overrides apply); the others route their own way
+# (DeepSeek-V3's grouped sigmoid router, transformers 4.x GPT-OSS's [T, E] score table, GraniteMoE's gate).
+OWN_ROUTERS = ("deepseek_v3_routing", "gpt_oss4_hit_loop", "gpt_oss4_dense_bmm", "granite4_segments")
+ROUTED_BY_CATALOG = [n for n in FUSED if n not in OWN_ROUTERS]
 
 
 def run_form(name: str, inner: str = "eager", **overrides):
@@ -93,7 +95,10 @@ def test_expert_counts(name, num_experts, top_k):
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
-@pytest.mark.parametrize("name", [n for n in FUSED if n not in ("static_dense_loop", "gpt_oss_experts")])
+FIXED_ACTIVATION = ("static_dense_loop", "gpt_oss_experts", "gpt_oss4_hit_loop", "gpt_oss4_dense_bmm")
+
+
+@pytest.mark.parametrize("name", [n for n in FUSED if n not in FIXED_ACTIVATION])
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 def test_gelu_and_relu_experts_are_fused_with_their_activation(name, activation):
     model, inputs, report, output, recorder = run_form(name, activation=activation)

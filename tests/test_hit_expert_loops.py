@@ -31,8 +31,10 @@ FORM = catalog()["hf4_hit_expert_loop"]
     ],
     ids=["top1", "one_token", "unchosen_experts", "one_token_top1", "bf16"],
 )
-def test_adapted_loop_is_fused_and_equal(overrides):
-    model, inputs = FORM.build(**overrides)
+@pytest.mark.parametrize("form", ["hf4_hit_expert_loop", "gpt_oss4_hit_loop"])
+def test_adapted_loop_is_fused_and_equal(form, overrides):
+    """gpt_oss4_hit_loop: `expert_idx = expert_idx[0]` and a sentinel class skipped by `continue`."""
+    model, inputs = catalog()[form].build(**overrides)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 2, str(report)
@@ -111,8 +113,26 @@ class ConditionalBody(HitExpertLoopMoE):
         expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
         for expert_idx in expert_hit:
             idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            y = self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None]
+            if expert_idx == 0:
+                y = y * 2
+            out.index_add_(0, top_x, y)
+        return out.view(x.shape)
+
+
+class SkipsAnExpertByIndex(HitExpertLoopMoE):
+    """`if expert_idx == 0: continue`: skips the same hit rows as before, and nothing for the others."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
             if expert_idx == 0:
                 continue
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
             out.index_add_(0, top_x, self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None])
         return out.view(x.shape)
 
@@ -233,6 +253,18 @@ def test_range_loops_need_no_dynamo_setting_under_hpu_moe(name):
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 2, str(report)
     assert not torch._dynamo.config.capture_dynamic_output_shape_ops
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6)], ids=["default", "decode"])
+def test_a_continue_on_the_expert_index_is_kept_static_and_the_rest_fused(overrides):
+    """Expert 0 skipped: the loop is traced without a data-dependent branch and fused over experts 1..E-1
+    (the kernel's experts_min, as for one rank's experts), equal to eager."""
+    model, inputs = FORM.build(layers=1, **overrides)
+    _swap(model, SkipsAnExpertByIndex)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from patterns import catalog, dynamo_config
+from patterns._gpt_oss4 import GptOss4Experts
 from patterns._stacked_experts import SparseMoeBlock
 from patterns.hf_batched_mm import batched_linear
 from patterns.hf_grouped_mm import _grouped_mm, _tokens_per_expert
@@ -35,11 +36,15 @@ MUTATIONS = {
     "grouped": (*COMMON, "bias_in_one_expert", "wrong_k", "wrong_sum_axis"),
     "dense": (*COMMON, "bias_in_one_expert"),
     "sparse": (*COMMON, "bias_in_one_expert"),
+    "dense_bmm": ("weights_before_mlp", "expert_output_escapes", "weight_intermediate_escapes", "bias_in_one_expert",
+                  "wrong_table_column"),
 }
 
 
 def family(model) -> str:
     moe = model.moes[0]
+    if isinstance(getattr(moe, "experts", None), GptOss4Experts):
+        return "dense_bmm"
     if isinstance(moe, SparseMoeBlock):
         return "grouped" if moe.experts._experts_forward.__name__.startswith("grouped") else "batched"
     if isinstance(moe, StaticMoE | MaskedLoopMoE):
@@ -189,10 +194,45 @@ def sparse(mutation):
     return forward
 
 
+def dense_bmm(mutation):
+    """transformers 4.55 GPT-OSS's experts: every token through every expert, weighted by the score table."""
+
+    def forward(self, hidden_states, router_indices=None, routing_weights=None):
+        batch = hidden_states.shape[0]
+        flat = hidden_states.reshape(-1, self.hidden_size)
+        experts = routing_weights.shape[1]
+        table = routing_weights.transpose(0, 1)
+        if mutation == "wrong_table_column":  # expert e scaled by column e + 1
+            table = table.roll(1, dims=0)
+        column = table.reshape(experts, -1, 1)
+        rows = flat.repeat(experts, 1).view(experts, -1, self.hidden_size)
+        if mutation == "weights_before_mlp":
+            rows = rows * column
+        gate_up = torch.bmm(rows, self.gate_up_proj) + self.gate_up_proj_bias[..., None, :]
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        y = torch.bmm((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), self.down_proj)
+        y = y + self.down_proj_bias[..., None, :]
+        if mutation == "bias_in_one_expert":
+            y = y + TAP * (torch.arange(experts) == 0).to(y.dtype)[:, None, None]
+        weighted = y if mutation == "weights_before_mlp" else y * column
+        out = weighted.sum(dim=0)
+        if mutation == "expert_output_escapes":
+            out = out + TAP * y[0]
+        if mutation == "weight_intermediate_escapes":
+            out = out + TAP * weighted[0]
+        return out.view(batch, -1, self.hidden_size)
+
+    return forward
+
+
 def mutate(model, mutation: str) -> None:
     """Swap each MoE layer's computation for the mutated one (and, for loops, one expert's activation)."""
     kind = family(model)
     for moe in model.moes:
+        if kind == "dense_bmm":
+            moe.experts.forward = types.MethodType(dense_bmm(mutation), moe.experts)
+            continue
         if kind in ("batched", "grouped"):
             moe.experts._experts_forward = (batched if kind == "batched" else grouped)(mutation)
             continue

@@ -13,6 +13,8 @@ import torch
 
 from patterns import Expected, catalog, dynamo_config
 from patterns._common import Router
+from patterns._gpt_oss4 import GptOss4Router
+from patterns.granite4_segments import SegmentGate
 from patterns.near_miss_llama4_dense_bmm import Llama4Router
 
 FORMS = catalog()
@@ -42,9 +44,16 @@ def routing_of(model, inputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
             weights, ids = out.topk(module.top_k, dim=-1)
             assert bool((out > 0).sum(-1).eq(module.top_k).all())
             out = (weights, ids)
+        if isinstance(module, GptOss4Router):  # ([T, E] score table, ids)
+            table, ids = out
+            out = (table.gather(1, ids), ids)
+        if isinstance(module, SegmentGate):  # returns slots in expert order: read its top-k from its input
+            values, ids = module.layer(_inputs[0]).float().topk(module.top_k, dim=1)
+            out = (values.softmax(dim=1), ids)
         seen.append(out)
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, Router | Llama4Router)]
+    routers = (Router, Llama4Router, GptOss4Router, SegmentGate)
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, routers)]
     run(model, inputs)
     for hook in hooks:
         hook.remove()
@@ -75,6 +84,9 @@ def test_catalog_lists_the_forms_in_a_stable_order():
         "hf4_sparse_loop",
     "mixtral4_sparse_loop",
     "hf4_hit_expert_loop",
+    "gpt_oss4_hit_loop",
+    "gpt_oss4_dense_bmm",
+    "granite4_segments",
     "expert_parallel_sparse_loop",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",
@@ -200,7 +212,13 @@ def test_routing_overrides_take_effect(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_activation_override_takes_effect_where_the_source_allows_it(name):
     form = FORMS[name]
-    fixed_by_source = ("static_dense_loop", "near_miss_mixed_activation", "gpt_oss_experts")
+    fixed_by_source = (
+        "static_dense_loop",
+        "near_miss_mixed_activation",
+        "gpt_oss_experts",
+        "gpt_oss4_hit_loop",
+        "gpt_oss4_dense_bmm",
+    )
     if name in (*fixed_by_source, "near_miss_concatenated_swiglu"):
         assert not accepts(form, "activation")
         return

@@ -266,6 +266,38 @@ graph(in0, in1, in2, in3, in4, in5):
   %10 = moe_passes.mixture_of_experts.bias_fused_weights(%1, %4, %5, %6[0:4], %7[0:4], %8[0:4], %9[0:4], permuted_weights=False, experts_min=0, experts_max=3, alpha=1.702, limit=7)""",
         )
 
+    def test_gpt_oss4_dense_bmm(self):
+        """transformers 4.55 GPT-OSS: the E-fold repeat + bmm and the score table's product are gone; the
+        table's scatter stays only if something else reads it (nothing here: removed)."""
+        self.assertExpectedInline(format_graph(rewritten_graph("gpt_oss4_dense_bmm")), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.addmm(in4, %2, %3)
+  %5 = aten.topk(%4, 2)
+  %6 = getitem(%5, 0)
+  %7 = getitem(%5, 1)
+  %8 = aten._softmax(%6, 1, False)
+  %9 = aten.reshape(%1, [-1, 16])
+  %10 = aten.unbind.int(in5, 0)
+  %11 = aten.unbind.int(in7, 0)
+  %12 = aten.unbind.int(in6, 0)
+  %13 = aten.unbind.int(in8, 0)
+  %14 = moe_passes.mixture_of_experts.bias_fused_weights(%9, %7, %8, %10[0:4], %11[0:4], %12[0:4], %13[0:4], permuted_weights=False, experts_min=0, experts_max=3, alpha=1.702, limit=7)
+  %15 = aten.reshape(%14, [1, 6, 16])
+  %16 = aten.reshape(%15, [1, 6, 16])
+  %17 = aten.add.Tensor(in2, %16)
+  return [%17]""")
+
+    def test_gpt_oss4_hit_loop(self):
+        """transformers 4.57 GPT-OSS on CPU (hit loop, sentinel class): the same call as the dense form."""
+        self.assertEqual(
+            format_fused_calls(rewritten_graph("gpt_oss4_hit_loop")),
+            format_fused_calls(rewritten_graph("gpt_oss4_dense_bmm")),
+        )
+
     def test_qwen2_shared_expert(self):
         self.assertExpectedInline(
             format_graph(rewritten_graph("qwen2_shared_expert")),

@@ -19,8 +19,13 @@ before the loop, at rows `torch.where(M[e])` (or `M[e].nonzero()`), where the hi
 expert the original loop skips, the test is false, so M[e] has no non-zero entry, the rows are empty and
 the accumulation adds nothing; every other statement only binds names local to one iteration. The
 element bound to the loop variable is the same [1]-shaped int64 tensor as before, so indexing with it
-keeps its shapes (top-1 routing included). Whether the hit test really reduced every non-leading
-dimension is checked when the loop is traced; where it did not, the original `nonzero` is kept.
+keeps its shapes (top-1 routing included); `var = var[0]` as the body's first statement (the 0-dim
+element, transformers 4.57 GPT-OSS and the 5.x `eager` experts) is allowed. A statement that skips an
+iteration on a test of the loop variable and of values fixed before the loop (`if var == E: continue`,
+the expert-parallel sentinel class) skips the same rows as before and nothing for an expert not hit; it
+is evaluated on the Python index (equal to the row's value), so it is no data-dependent branch. Whether
+the hit test really reduced every non-leading dimension is checked when the loop is traced; where it did
+not, the original `nonzero` is kept.
 
 Loops over every expert (`range(E)`) keep their iteration; a guard that skips the work when the
 expert's rows are empty (`if rows.numel() > 0:` around it, `if rows.shape[0] == 0: continue` before it:
@@ -46,7 +51,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-NAME = "expert loop (hit experts traced as all experts, data-dependent shapes captured)"
+NAME = "expert loop (hit experts traced as all experts; data-dependent shapes and per-expert counts captured)"
 _HELPERS = "__moe_passes_loop_helpers"
 _INDEX = "__moe_passes_expert"
 _ALL = "__moe_passes_all_rows"
@@ -63,6 +68,7 @@ class HitLoop:
     hit: str  # the name bound to `<test>.nonzero()`
     mask: str  # M in the hit test and in the body's torch.where(M[var])
     dims: tuple[int, ...]  # the dims of M the hit test reduces
+    skips: tuple[int, ...] = ()  # lines of `if <test of var>: continue`, evaluated on the Python index
 
 
 class NotAdaptable(Exception):
@@ -149,15 +155,17 @@ def _nonzero_operand(value: ast.AST) -> ast.AST | None:
     return None
 
 
-def _is_one_hot(expr: ast.AST, assignments: dict) -> bool:
-    """`one_hot(...)` through view-like methods, directly or through names bound once."""
+def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset()) -> bool:
+    """`one_hot(...)` through view-like methods, directly or through names whose every binding is one
+    (`m = one_hot(ids, E); m = m.permute(2, 1, 0)`): such a tensor is non-negative wherever it is read."""
     while True:
         if isinstance(expr, ast.Name):
             bound = assignments.get(expr.id, [])
-            if len(bound) != 1 or not isinstance(bound[0], ast.Assign):
+            if not bound or not all(isinstance(b, ast.Assign) and len(b.targets) == 1 for b in bound):
                 return False
-            expr = bound[0].value
-            continue
+            if expr.id in seen:  # a re-binding that views the name itself: decided by the other bindings
+                return True
+            return all(_is_one_hot(b.value, assignments, seen | {expr.id}) for b in bound)
         name = _call_name(expr)
         if name == "one_hot":
             return True
@@ -292,17 +300,53 @@ def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     return rows.get(subject.id) if isinstance(subject, ast.Name) else None
 
 
-def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef) -> list[int]:
+def _unwraps_element(stmt: ast.stmt, var: str) -> bool:
+    """`var = var[0]`: the [1]-shaped row of `nonzero` replaced by its one element."""
+    return (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+        and stmt.targets[0].id == var
+        and isinstance(stmt.value, ast.Subscript)
+        and isinstance(stmt.value.value, ast.Name)
+        and stmt.value.value.id == var
+        and isinstance(stmt.value.slice, ast.Constant)
+        and stmt.value.slice.value == 0
+    )
+
+
+def _skips_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
+    """`if <test>: continue` whose test reads the loop variable and otherwise only values fixed before
+    the loop (names not bound in the body, attributes, constants; no calls)."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return False
+    names = {n.id for n in ast.walk(stmt.test) if isinstance(n, ast.Name)}
+    if any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == var for n in ast.walk(stmt.test)):
+        return False  # `var.attr` differs between the row and its Python index
+    allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
+               ast.unaryop, ast.expr_context)
+    return var in names and not (names - {var}) & bound and all(isinstance(n, allowed) for n in ast.walk(stmt.test))
+
+
+def _check_body(
+    loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef
+) -> tuple[list[int], list[int]]:
     """The body's only effect is one accumulation at rows that are empty for an expert not hit.
 
     `mask` None: a loop over every expert, where only the guards need the proof (a guard that skips
     the body when the rows are empty skips nothing but an accumulation of nothing). Returns the lines of
-    those guards, which the rewrite removes (dynamo breaks the graph on a data-dependent `if`).
+    those guards, which the rewrite removes (dynamo breaks the graph on a data-dependent `if`), and, for
+    a hit loop, the lines of the `continue`s on a test of the loop variable, which it evaluates on the
+    Python index.
     """
     bound: set[str] = set()
     rows: dict[str, int] = {}  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
+    skips: list[int] = []
+    body = loop.body
+    if mask is not None and body and _unwraps_element(body[0], var):
+        body = body[1:]
 
     def visit(statements):
         for stmt in statements:
@@ -328,6 +372,8 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
                 visit(stmt.body)
             elif (source := _skip_when_empty(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
+            elif mask is not None and _skips_on_index(stmt, var, bound):
+                skips.append(stmt.lineno)
             else:
                 kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
@@ -336,7 +382,7 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
                     "chose; only one accumulation into the output may"
                 )
 
-    visit(loop.body)
+    visit(body)
     if len(accumulations) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
@@ -347,7 +393,7 @@ def _check_body(loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionD
                 f"not {accumulated_rows})"
             )
     _check_locals(loop, bound, fn_def)
-    return [line for line, _ in guards]
+    return [line for line, _ in guards], skips
 
 
 def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
@@ -383,8 +429,9 @@ def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
 
 
 def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> None:
-    """Names bound in the body are bound before use in each iteration and not read after the loop."""
-    inside = {id(n) for n in ast.walk(loop)}
+    """Names bound in the body are bound before use in each iteration and not read after the loop
+    (reads in the other arm of an `if` that holds the loop never see the loop's bindings)."""
+    inside = {id(n) for n in ast.walk(loop)} | _other_arms(fn_def, loop)
     for node in _walk_function(fn_def):
         if id(node) in inside:
             continue
@@ -402,6 +449,17 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
             seen.update(n for t in targets for n in _stored_names(t))
 
 
+def _other_arms(fn_def: ast.FunctionDef, loop: ast.For) -> set[int]:
+    """ids of the nodes in the arm of each enclosing `if` that the loop is not in."""
+    found: set[int] = set()
+    for node in _walk_function(fn_def):
+        if isinstance(node, ast.If):
+            for arm, other in ((node.body, node.orelse), (node.orelse, node.body)):
+                if any(loop is n for stmt in arm for n in ast.walk(stmt)):
+                    found.update(id(n) for stmt in other for n in ast.walk(stmt))
+    return found
+
+
 def _flat(statements):
     for stmt in statements:
         if isinstance(stmt, ast.With | ast.If):  # an If here is a checked emptiness guard
@@ -417,9 +475,10 @@ class Plan:
     hit_loops: list[HitLoop]
     guards: list[int]  # lines of `if rows.numel() > 0:` guards whose body runs unconditionally
     captures_shapes: bool  # some loop selects tokens with torch.where / nonzero
+    captures_scalars: bool = False  # per-expert counts are read as Python numbers (`.tolist()`)
 
     def changes_anything(self) -> bool:
-        return bool(self.hit_loops or self.guards or self.captures_shapes)
+        return bool(self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars)
 
 
 def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
@@ -445,7 +504,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         if operand is None:
             if selects and isinstance(node.target, ast.Name) and any(isinstance(s, ast.If) for s in node.body):
                 try:
-                    guards.extend(_check_body(node, node.target.id, None, fn_def))
+                    guards.extend(_check_body(node, node.target.id, None, fn_def)[0])
                 except NotAdaptable as exc:
                     log.info("expert loop guard kept: %s", exc)
             continue
@@ -454,9 +513,59 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         if sum(1 for n in loads if n.id == hit.id) != 1:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
         mask, dims = _hit_test_mask(operand, assignments)
-        guards.extend(_check_body(node, node.target.id, mask, fn_def))
-        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims))
-    return fn_def, filename, Plan(loops, guards, captures)
+        removable, skips = _check_body(node, node.target.id, mask, fn_def)
+        guards.extend(removable)
+        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips)))
+    return fn_def, filename, Plan(loops, guards, captures, _reads_counts_as_numbers(fn_def, assignments))
+
+
+# Per-expert counts of a fixed length (E): `bincount` is not one (its length is data-dependent, which
+# `.tolist()` cannot keep symbolic), so it is not recognised.
+_COUNTS = {"histc"}
+
+
+def _is_count(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset()) -> bool:
+    """Per-expert counts: `M.sum(0)` (a reduction over the tokens) or `histc(...)`, through
+    view-like methods and names whose every binding is such a count (or the name's own `.tolist()`)."""
+    while True:
+        if isinstance(expr, ast.Name):
+            bound = assignments.get(expr.id, [])
+            if expr.id in seen or not bound or not all(isinstance(b, ast.Assign) for b in bound):
+                return expr.id in seen
+            return all(
+                _is_count(b.value, assignments, seen | {expr.id}) or _tolist_of(b.value) == expr.id for b in bound
+            )
+        name = _call_name(expr)
+        if name in _COUNTS:
+            return True
+        if name == "sum" and isinstance(expr.func, ast.Attribute) and _reduced_dims_include_zero(expr):
+            return True
+        if name in _VIEW_METHODS | {"cpu"} and isinstance(expr.func, ast.Attribute):
+            expr = expr.func.value
+            continue
+        return False
+
+
+def _reduced_dims_include_zero(call: ast.Call) -> bool:
+    dim = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "dim"), None)
+    return isinstance(dim, ast.Constant) and dim.value == 0
+
+
+def _tolist_of(expr: ast.AST) -> str | None:
+    """N for `N.tolist()`."""
+    if _call_name(expr) == "tolist" and isinstance(expr.func.value, ast.Name) and not expr.args:
+        return expr.func.value.id
+    return None
+
+
+def _reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict) -> bool:
+    """Some `counts.tolist()` turns per-expert counts into Python ints (GraniteMoE's and JetMoE's split
+    sizes): dynamo can keep them symbolic (unbacked) instead of breaking the graph there."""
+    for node in _walk_function(fn_def):
+        receiver = _tolist_of(node)
+        if receiver is not None and _is_count(ast.Name(receiver, ast.Load()), assignments):
+            return True
+    return False
 
 
 def _selects_tokens(loop: ast.For) -> bool:
@@ -515,6 +624,7 @@ class _Rewrite(ast.NodeTransformer):
         index = f"{_INDEX}_{loop.var}"
         visited = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
         body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in visited]
+        body = [_IndexTests(loop, index).visit(stmt) for stmt in body]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
         target, iterate = ast.Name(index, ast.Store()), _parse_expr(f"range({loop.hit}.shape[0])")
         for new in (bind, target, iterate):  # the new nodes report the loop's own line; the body keeps its lines
@@ -540,7 +650,41 @@ class _Subscripts(ast.NodeTransformer):
             call = _parse_expr(f"{_HELPERS}.pick(__X__, {self.var}, {self.index}, {self.all_rows})")
             call.args[0] = node.value
             return ast.copy_location(call, node)
+        if isinstance(node.slice, ast.Tuple):  # X[rows, var, None]: a 0-dim var indexes as its value
+            node.slice.elts = [
+                ast.copy_location(
+                    _parse_expr(f"{_HELPERS}.scalar_index({self.var}, {self.index}, {self.all_rows})"), element
+                )
+                if isinstance(element, ast.Name) and element.id == self.var
+                else element
+                for element in node.slice.elts
+            ]
         return node
+
+
+class _IndexTests(ast.NodeTransformer):
+    """In `if <test of var>: continue`, `var` -> `index_value(var, index, all)` (the Python index)."""
+
+    def __init__(self, loop: HitLoop, index: str):
+        self.loop, self.index = loop, index
+
+    def visit_If(self, node: ast.If):
+        if node.lineno not in self.loop.skips:
+            return self.generic_visit(node)
+        node.test = _Replace(self.loop.var, f"{_HELPERS}.index_value({{}}, {self.index}, {_ALL}_{self.loop.hit})").visit(
+            node.test
+        )
+        return node
+
+
+class _Replace(ast.NodeTransformer):
+    def __init__(self, name: str, template: str):
+        self.name, self.template = name, template
+
+    def visit_Name(self, node: ast.Name):
+        if node.id != self.name or not isinstance(node.ctx, ast.Load):
+            return node
+        return ast.copy_location(_parse_expr(self.template.format(self.name)), node)
 
 
 def _parse_expr(text: str, ctx=None) -> ast.expr:
@@ -556,8 +700,12 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
     new_def = _Rewrite(plan).visit(fn_def)
-    capture = ast.parse(f"{_HELPERS}.capture_dynamic_output_shapes()").body[0]
-    new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
+    prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()"]
+    if plan.captures_scalars:
+        prologue.append(f"{_HELPERS}.capture_scalar_outputs()")
+    for line in reversed(prologue):
+        capture = ast.parse(line).body[0]
+        new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
     new_def.decorator_list = []
     free = list(fn.__code__.co_freevars)
     factory = ast.parse(f"def __moe_passes_factory({', '.join([*free, _HELPERS])}):\n    pass").body[0]
@@ -594,10 +742,22 @@ def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]):
 
 
 def pick(container, row: torch.Tensor, index: int, every_row: bool):
-    """container[row], with the Python int for module containers when rows are 0..n-1."""
-    if every_row and isinstance(container, torch.nn.Module):
+    """container[row], with the Python int when rows are 0..n-1 and the int selects the same thing: for
+    module containers, and for a 0-dim row (indexing with a 0-dim integer tensor is indexing with its
+    value; dynamo would read that value from the data)."""
+    if every_row and (isinstance(container, torch.nn.Module) or row.dim() == 0):
         return container[index]
     return container[row]
+
+
+def index_value(row: torch.Tensor, index: int, every_row: bool):
+    """The Python int equal to the row's one value when rows are 0..n-1 (a static test), else the row."""
+    return index if every_row else row
+
+
+def scalar_index(row: torch.Tensor, index: int, every_row: bool):
+    """The Python int for a 0-dim row when rows are 0..n-1: the same index, read without the data."""
+    return index if every_row and row.dim() == 0 else row
 
 
 @torch.compiler.assume_constant_result
@@ -608,6 +768,17 @@ def _capture_dynamic_output_shapes() -> bool:
     frame's shape environment when tracing starts, so both that environment and dynamo's config flag
     are switched for this compile; the flag is restored when the compile ends.
     """
+    return _switch_on_for_this_compile("capture_dynamic_output_shape_ops", "allow_dynamic_output_shape_ops")
+
+
+@torch.compiler.assume_constant_result
+def _capture_scalar_outputs() -> bool:
+    """Let the compile in progress keep `.tolist()` / `.item()` values symbolic (unbacked SymInts)."""
+    return _switch_on_for_this_compile("capture_scalar_outputs", "allow_scalar_outputs")
+
+
+def _switch_on_for_this_compile(flag: str, setting: str) -> bool:
+    """Dynamo's `flag` and the frame's ShapeEnv `setting` on until the compile in progress ends."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -619,18 +790,27 @@ def _capture_dynamic_output_shapes() -> bool:
         return False
     if settings is None or not dataclasses.is_dataclass(settings) or not hasattr(handler, "register_end_callback"):
         return False
-    if not settings.allow_dynamic_output_shape_ops:
-        shape_env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
+    if not hasattr(settings, setting) or not hasattr(torch._dynamo.config, flag):
+        return False
+    if not getattr(settings, setting):
+        shape_env.settings = dataclasses.replace(settings, **{setting: True})
     config = torch._dynamo.config
-    if not config.capture_dynamic_output_shape_ops:
-        config.capture_dynamic_output_shape_ops = True
-
-        def restore(*_args):
-            config.capture_dynamic_output_shape_ops = False
-            handler.remove_end_callback(restore)
-
-        handler.register_end_callback(restore)
+    if not getattr(config, flag):
+        setattr(config, flag, True)
+        _SWITCHED_FLAGS.add(flag)
+        if _restore_switched_flags not in getattr(handler, "end_callbacks", ()):
+            handler.register_end_callback(_restore_switched_flags)
     return True
+
+
+_SWITCHED_FLAGS: set[str] = set()
+
+
+def _restore_switched_flags(*_args) -> None:
+    """End-of-compile callback: switch off what this compile switched on. It stays registered (a
+    callback that removed itself while dynamo iterates the list would make it skip the next one)."""
+    while _SWITCHED_FLAGS:
+        setattr(torch._dynamo.config, _SWITCHED_FLAGS.pop(), False)
 
 
 def _docstring_count(fn_def: ast.FunctionDef) -> int:
@@ -640,7 +820,12 @@ def _docstring_count(fn_def: ast.FunctionDef) -> int:
 
 def _helpers_namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
-        all_rows=all_rows, pick=pick, capture_dynamic_output_shapes=_capture_dynamic_output_shapes
+        all_rows=all_rows,
+        pick=pick,
+        index_value=index_value,
+        scalar_index=scalar_index,
+        capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
+        capture_scalar_outputs=_capture_scalar_outputs,
     )
 
 
@@ -659,7 +844,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         code = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or not {"nonzero", "where"} & set(code.co_names):
+        if not isinstance(fn, types.FunctionType) or not {"nonzero", "where", "tolist"} & set(code.co_names):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn)
         if traced is not None:

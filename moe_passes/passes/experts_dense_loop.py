@@ -28,7 +28,7 @@ from ..fx_utils import (
 )
 from . import probe
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import Projection, activation_of, gated_product, halves, projection
+from .mlp import ClampedSwiglu, Projection, activation_of, clamped_swiglu, gated_product, halves, projection
 
 aten = torch.ops.aten
 FORM = "dense_loop"
@@ -55,17 +55,49 @@ class ExpertTerm:
     # adds its output back to. None for a dense term, which covers every token.
     rows: Node | None = None
     rows_overwrite: bool = False  # rows are written (out[tok] += y), not added: they must not repeat
+    # GPT-OSS experts: interleaved gate/up with per-expert biases and the clamped swiglu.
+    swiglu: ClampedSwiglu | None = None
+    gate_up_bias: Node | None = None
+    down_bias: Node | None = None
 
     def outputs(self) -> list[Node]:
         """The nodes whose values decide which tokens this expert serves, and with which weight."""
         return [self.coefficient] + ([self.rows] if self.rows is not None else [])
 
 
+def _with_expert_bias(node: Node) -> tuple[Node, Node | None]:
+    """(y, b) for y + b with b one expert's 1-D bias; (node, None) otherwise."""
+    node = strip_shape_ops(node)
+    if is_call(node, aten.add.Tensor) and all(isinstance(a, Node) for a in node.args):
+        for y, bias in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if len(shape(bias) or ()) == 1 and projection(y) is not None:
+                return strip_shape_ops(y), bias
+    return node, None
+
+
+def _read_swiglu_mlp(node: Node) -> dict | None:
+    """GPT-OSS's expert: (down(clamped swiglu(gate_up(x) + b1)) + b2), gate/up interleaved."""
+    down_out, down_bias = _with_expert_bias(node)
+    down = projection(down_out)
+    swiglu = clamped_swiglu(down.input) if down is not None else None
+    if swiglu is None or not swiglu.interleaved:
+        return None
+    gate_up_out, gate_up_bias = _with_expert_bias(swiglu.projection)
+    fused = projection(gate_up_out)
+    if fused is None or (gate_up_bias is None) != (down_bias is None):
+        return None
+    desc = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
+    return dict(
+        hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=desc, desc=desc,
+        swiglu=swiglu, gate_up_bias=gate_up_bias, down_bias=down_bias,
+    )
+
+
 def _read_mlp(node: Node) -> dict | None:
     """Read down(act(gate(x)) * up(x)); gate/up from one fused projection or two projections."""
     down = projection(node)
     if down is None:
-        return None
+        return _read_swiglu_mlp(node)
     product = gated_product(down.input)
     if product is None:
         return None
@@ -116,6 +148,9 @@ def _term(node, mlp_out, coefficient, mlp, input_scaled_by=None) -> ExpertTerm:
         up=mlp["up"],
         down=mlp["down"],
         input_scaled_by=input_scaled_by,
+        swiglu=mlp.get("swiglu"),
+        gate_up_bias=mlp.get("gate_up_bias"),
+        down_bias=mlp.get("down_bias"),
     )
 
 
@@ -254,9 +289,21 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
     ids, weights, order, first_expert = assignment
     ordered = [terms[i] for i in order]
 
-    gate_up = _role(ordered, "gate_up")
-    gate, up, down = _role(ordered, "gate"), _role(ordered, "up"), _role(ordered, "down")
-    roles = [r for r in (gate_up, gate, up, down) if r is not None]
+    gate_up = role_weights(ordered, "gate_up")
+    gate, up, down = role_weights(ordered, "gate"), role_weights(ordered, "up"), role_weights(ordered, "down")
+    swiglu = terms[0].swiglu
+    biases = {}
+    if swiglu is not None:
+        if terms[0].gate_up_bias is None:
+            return no("GPT-OSS's clamped swiglu without expert biases (the kernel's overload adds them)")
+        biases = dict(
+            gate_up_bias=role_weights(ordered, "gate_up_bias"),
+            down_bias=role_weights(ordered, "down_bias"),
+            alpha=swiglu.alpha,
+            limit=swiglu.limit,
+        )
+    bias_roles = (biases.get("gate_up_bias"), biases.get("down_bias"))
+    roles = [r for r in (gate_up, gate, up, down, *bias_roles) if r is not None]
     if any(isinstance(r, str) for r in roles):
         return no(next(r for r in roles if isinstance(r, str)))
     return ExpertsMatch(
@@ -273,24 +320,31 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
         gate=gate,
         up=up,
         down=down,
+        **biases,
     )
 
 
-def _role(terms: list[ExpertTerm], name: str) -> ExpertWeights | str | None:
+def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | str | None:
+    """One weight role of every expert: a projection's weight, or a 1-D bias node."""
     projections = [getattr(t, name) for t in terms]
     if projections[0] is None:
         return None
-    if len({p.out_in for p in projections}) != 1:
+    if any(p is None for p in projections):
+        return f"some experts have no {name}"
+    if isinstance(projections[0], Node):  # biases: no layout
+        weights, out_in = projections, True
+    elif len({p.out_in for p in projections}) != 1:
         return f"the {name} weights of the experts are laid out differently"
-    weights = [p.weight for p in projections]
+    else:
+        weights, out_in = [p.weight for p in projections], projections[0].out_in
     shapes = {shape(w) for w in weights}
     dtypes = {dtype(w) for w in weights}
     if len(shapes) != 1 or len(dtypes) != 1:
         return f"the {name} weights of the experts differ in shape or dtype"
     stacked = _stacked_source(weights)
     if stacked is not None:  # w[e] for e = 0..E-1 of one stacked parameter: pass the stack itself
-        return ExpertWeights(stacked=stacked, out_in=projections[0].out_in)
-    return ExpertWeights(per_expert=tuple(weights), out_in=projections[0].out_in)
+        return ExpertWeights(stacked=stacked, out_in=out_in)
+    return ExpertWeights(per_expert=tuple(weights), out_in=out_in)
 
 
 def _stacked_source(weights: list[Node]) -> Node | None:
@@ -354,6 +408,11 @@ def _expert_ids(terms: list[ExpertTerm]):
     try:
         if len(tensors) == 1 and padded:
             return _assign_from_padded(strip_casts(padded[0]), padded[0], terms, slices)
+        if len(tensors) == 2 and len(padded) == 1:  # the table and the ids it was scattered with
+            table, scatter = padded[0], strip_casts(padded[0])
+            ids = next(iter(tensors - {table}))
+            if strip_shape_ops(scatter.args[2]) is ids and isinstance(scatter.args[3], Node):
+                return _assign_from_routing({ids, strip_shape_ops(scatter.args[3])}, terms, slices, table)
         return _assign_from_routing(tensors, terms, slices)
     except probe.NotProbeable as why:
         return f"the per-expert routing weight is computed with ops the finder cannot check ({why})"
@@ -431,7 +490,9 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     return order if isinstance(order, str) else (strip_shape_ops(ids), strip_shape_ops(weights), *order)
 
 
-def _assign_from_routing(tensors: set[Node], terms, slices):
+def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None = None):
+    """Assignment on probe routing; `table`, when given, is the [T, E] table scattered from the ids and
+    weights (GPT-OSS's router scores), evaluated from each probe."""
     ints = [n for n in tensors if not dtype(n).is_floating_point and dtype(n) != torch.bool]
     floats = [n for n in tensors if dtype(n).is_floating_point]
     if len(ints) != 1 or len(floats) != 1 or len(tensors) != 2:
@@ -445,10 +506,23 @@ def _assign_from_routing(tensors: set[Node], terms, slices):
     width = max(len(terms), _routing_width(ids) or 0)
     if top_k > width:
         return "top-k is larger than the number of experts"
+    if table is not None:
+        scatter = strip_casts(table)
+        if not is_zero_init(scatter.args[0]) or scatter.args[1] not in (-1, 1) or len(shape(table)) != 2:
+            return "the per-expert weights are not scattered into a zero [T, E] table"
+        width = int(probe._concrete(shape(table)[1]))
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
     columns = [probe.padded_columns(i, w, width) for i, w in probes]
+
+    def inputs(i: torch.Tensor, w: torch.Tensor, columns: torch.Tensor) -> dict:
+        env = {ids: i.to(dtype(ids)), weights: w}
+        if table is not None:
+            env[table] = columns.to(dtype(table))
+        return env
+
     envs = [
-        [probe.evaluate(nodes, {ids: i.to(dtype(ids)), weights: w}) for i, w in probes] for nodes in slices
+        [probe.evaluate(nodes, inputs(i, w, c)) for (i, w), c in zip(probes, columns, strict=True)]
+        for nodes in slices
     ]
     order = _assign(columns, envs, tokens, width, terms)
     return order if isinstance(order, str) else (ids, weights, *order)

@@ -29,7 +29,7 @@ from ..fx_utils import (
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import stacked_gate
+from .mlp import stacked_gate, stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
 
 aten = torch.ops.aten
@@ -53,13 +53,6 @@ def _grouped_args(node: Node) -> tuple[Node, Node, Node] | None:
     if len(args) < 2 or offs is None:
         return None
     return args[0], args[1], offs
-
-
-def _stacked_weight(node: Node) -> tuple[Node, bool]:
-    """(stacked [E, ., .] weight, out_in) for the grouped_mm weight operand W^T or W."""
-    if is_call(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]:
-        return node.args[0], True
-    return node, False
 
 
 def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
@@ -143,8 +136,8 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     if ids is None or weights is None or shape(weights) != shape(ids):
         return no("routing ids and weights are not [T, k] tensors of the same shape", ids_flat)
 
-    gate_up, gate_up_out_in = _stacked_weight(gate_up_w)
-    down, down_out_in = _stacked_weight(down_w)
+    gate_up, gate_up_out_in = stacked_weight(gate_up_w)
+    down, down_out_in = stacked_weight(down_w)
     if len(shape(gate_up)) != 3 or len(shape(down)) != 3:
         return no("expert weights are not stacked [E, ., .] tensors", gate_up_w)
     if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:

@@ -282,3 +282,10 @@ def stacked_gate(down_input: Node) -> StackedGate | str:
             )
         return "gate and up are not the two halves of one projection"
     return StackedGate(activation, split[0], None)
+
+
+def stacked_weight(node: Node) -> tuple[Node, bool]:
+    """(stacked [E, ., .] weight, out_in) for a batched weight operand W^T (transposed last dims) or W."""
+    if is_call(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]:
+        return node.args[0], True
+    return node, False

@@ -21,6 +21,7 @@ from . import (
     experts_dense_bmm,
     experts_dense_loop,
     experts_grouped_mm,
+    experts_segments,
     experts_sparse_loop,
     routing,
 )
@@ -35,6 +36,7 @@ FINDERS = (
     experts_dense_loop.find,
     experts_sparse_loop.find,
     experts_dense_bmm.find,
+    experts_segments.find,
 )
 
 # Forms whose finders verify which expert of the router each term is (probes), so that a region may

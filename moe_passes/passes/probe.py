@@ -34,6 +34,7 @@ PROBE_OPS = (
         aten.where.self,
         aten.where.ScalarOther,
         aten.sum.dim_IntList,
+        aten.histc.default,
         aten.scatter.src,
         aten.scatter.value,
         aten.zeros.default,

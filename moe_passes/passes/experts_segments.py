@@ -1,0 +1,308 @@
+"""Segmented experts: slot rows sorted by expert, one contiguous segment of rows per expert.
+
+    perm = sort(ids.view(-1)).indices;  rows = x[perm // k]                 # slots in expert order
+    n_e = count of slots routed to e (`.tolist()` / `.item()`: unbacked SymInts under dynamo)
+    y = cat(MLP_0(segment 0 of rows), ..., MLP_{E-1}(segment E-1))          # segments: split(rows, n)
+                                                                            # or rows[s_e : s_e + n_e]
+    out = zeros(T, H).index_add(0, perm // k, y * w.view(-1)[perm, None])   # GraniteMoE, JetMoE
+        | (empty.index_put([perm], y).view(T, k, H) * w[..., None]).sum(1)  # DeepSeek-V2 (4.x)
+
+A gated MLP may also be cut and re-joined around its activation (GraniteMoE's ParallelExperts: split,
+per-expert gate/up, cat, act(gate) * up on all rows, split again, per-expert down, cat): the activation
+works row by row, so segment e of its output is the activation of segment e of its input.
+
+Why this is the kernel's sum over each token's k experts: `perm` sorts the flat ids ascending, so the
+slots routed to expert e form one run of the sorted order, of length n_e; segment e is exactly that run
+when the segment sizes are the per-expert counts in expert order (checked symbolically: the split sizes
+are the counts n_0..n_{E-1}, or a slice runs from n_0 + ... + n_{e-1} for n_e rows), and the counts are
+checked on probe routings (the count tensor evaluated from the ids). Each slot's output then goes back to
+its token with its weight.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.fx import Node
+
+from ..fx_utils import (
+    METADATA_ONLY_OPS,
+    const_int,
+    is_call,
+    is_cast,
+    is_getitem,
+    shape,
+    strip_casts,
+    strip_shape_ops,
+)
+from . import probe
+from .experts_dense_loop import ExpertTerm, read_term, role_weights
+from .matches import Decline, ExpertsMatch
+from .mlp import activation_of, gated_product, halves, projection
+
+aten = torch.ops.aten
+FORM = "segments"
+
+
+def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
+    counts = _count_symbols(graph)
+    results = []
+    for node in graph.find_nodes(op="call_function", target=aten.cat.default):
+        pieces = node.args[0]
+        if len(pieces) >= 2 and (len(node.args) < 2 or node.args[1] == 0) and _combined(node) is not None:
+            results.append(match_at(node, counts))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Counts and segments
+
+
+def _count_symbols(graph: torch.fx.Graph) -> dict[Node, list[Node | None]]:
+    """{count tensor C: [node reading C[e] as a SymInt, for e = 0..]} for `C[e].item()` reads."""
+    found: dict[Node, dict[int, Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=aten._local_scalar_dense.default):
+        element = node.args[0]
+        if is_call(element, aten.select.int) and element.args[1] == 0 and isinstance(element.args[2], int):
+            found.setdefault(element.args[0], {})[element.args[2]] = node
+    return {c: [by_index.get(e) for e in range(max(by_index) + 1)] for c, by_index in found.items()}
+
+
+def _expr(value) -> sympy.Expr | None:
+    value = value.meta.get("val") if isinstance(value, Node) else value
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return sympy.Integer(value) if isinstance(value, int) else None
+
+
+def _segment(node: Node, sizes: list[sympy.Expr]) -> tuple[Node, int] | None:
+    """(rows, e) when `node` is segment e of `rows` cut by the sizes: getitem e of split_with_sizes
+    with exactly these sizes, or rows[sum(sizes[:e]) : sum(sizes[:e + 1])]."""
+    if is_getitem(node) and is_call(node.args[0], aten.split_with_sizes.default):
+        split, e = node.args[0], node.args[1]
+        dim = split.args[2] if len(split.args) > 2 else 0
+        if dim == 0 and [_expr(s) for s in split.args[1]] == sizes:
+            return split.args[0], e
+        return None
+    if is_call(node, aten.slice.Tensor) and node.args[1] == 0 and len(node.args) >= 4:
+        start, end = _expr(node.args[2]), _expr(node.args[3])
+        step = node.args[4] if len(node.args) > 4 else 1
+        for e in range(len(sizes)):
+            begin = sum(sizes[:e], sympy.Integer(0))
+            if step == 1 and start is not None and end is not None:
+                if sympy.expand(start - begin) == 0 and sympy.expand(end - begin - sizes[e]) == 0:
+                    return node.args[0], e
+    return None
+
+
+def _counts_of(counts: Node, ids: Node, experts: int) -> str | None:
+    """None when `counts` evaluates to the number of slots routed to each expert, for probe routings."""
+    tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
+    nodes = probe.slice_between(counts, {ids})
+    if any(n.op in ("placeholder", "get_attr") for n in nodes):
+        return "the segment sizes are not counted from the routing ids the rows are sorted by"
+    try:
+        for probe_ids, _ in probe.routing_probes(tokens, top_k, experts, torch.float32):
+            value = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)})[counts]
+            if not torch.equal(value.long(), torch.bincount(probe_ids.view(-1), minlength=experts)):
+                return "the segment sizes are not the number of slots routed to each expert"
+    except probe.NotProbeable as why:
+        return f"the segment sizes are computed with ops the finder cannot check ({why})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sort and the way back to token order
+
+
+def _sort_permutation(node: Node) -> Node | None:
+    """flat ids when `node` is sort(flat ids).indices (ascending) or argsort(flat ids)."""
+    if is_getitem(node, 1) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
+        sort = node.args[0]
+        descending = sort.kwargs.get("descending", sort.args[2] if len(sort.args) > 2 and isinstance(sort.args[2], bool) else False)
+        if sort.target is aten.sort.stable:
+            descending = sort.kwargs.get("descending", False)
+        return None if descending else sort.args[0]
+    if is_call(node, aten.argsort.default, aten.argsort.stable) and not node.kwargs.get("descending", False):
+        return node.args[0]
+    return None
+
+
+def _slot_ids(flat: Node) -> Node | None:
+    """ids [T, k] when `flat` is ids.view(-1) (or flatten)."""
+    ids = strip_shape_ops(flat)
+    if ids is flat or len(shape(flat)) != 1 or len(shape(ids) or ()) != 2:
+        return None
+    return ids
+
+
+def _token_of_slot(node: Node, perm: Node, top_k: int) -> bool:
+    """`node` is perm // k (trunc or floor division)."""
+    if is_call(node, aten.div.Tensor_mode) and node.kwargs.get("rounding_mode") in ("trunc", "floor"):
+        return node.args[0] is perm and node.args[1] == top_k
+    if is_call(node, aten.floor_divide.default, aten.floor_divide.Scalar):
+        return node.args[0] is perm and node.args[1] == top_k
+    return False
+
+
+def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
+    """(how, output, perm, slot weights, token index) of the way `cat`'s rows go back to the tokens."""
+    users = [u for u in cat.users if not is_call(u, *METADATA_ONLY_OPS)]  # empty_like(y) reads no value
+    if len(users) != 1:
+        return None
+    user = users[0]
+    if is_call(user, aten.mul.Tensor):  # index_add(zeros, 0, perm // k, y * w_flat[perm][:, None])
+        scale = user.args[1] if user.args[0] is cat else user.args[0]
+        adds = [u for u in user.users if is_call(u, aten.index_add.default)]
+        if len(user.users) != 1 or not adds or adds[0].args[1] != 0 or adds[0].args[3] is not user:
+            return None
+        gathered = strip_shape_ops(scale)
+        if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1):
+            return None
+        return "index_add", adds[0], gathered.args[1][0], gathered.args[0], adds[0].args[2]
+    if is_call(user, aten.index_put.default) and user.args[2] is cat and len(user.args[1]) == 1:
+        return "unpermute", user, user.args[1][0], None, None  # DeepSeek-V2: the weights come after
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The experts, segment by segment
+
+
+def _segment_term(piece: Node, e: int, sizes: list, rows: list[Node]) -> ExpertTerm | str:
+    """Expert e's MLP on segment e: the whole MLP on the segment, or cut and re-joined around the act."""
+    term = read_term(piece)
+    if term is not None and term.coefficient is None and term.input_scaled_by is None:
+        segment = _segment(strip_shape_ops(term.hidden), sizes)
+        if segment is None or segment[1] != e:
+            return f"expert {e}'s input is not segment {e} of the sorted rows"
+        rows.append(segment[0])
+        return term
+    down = projection(piece)
+    joined = _segment(down.input, sizes) if down is not None else None
+    if joined is None or joined[1] != e:
+        return f"expert {e}'s output is not a gated MLP of segment {e} of the sorted rows"
+    product = gated_product(joined[0])
+    split = halves(product.gate, product.up) if product is not None else None
+    if split is None or not is_call(split[0], aten.cat.default) or len(split[0].args[0]) != len(sizes):
+        found = getattr(joined[0].target, "__name__", str(joined[0].target))
+        return (
+            f"between the cut projections sits {found}, not act(gate) * up of joined segments (the experts "
+            "are not gated MLPs: e.g. JetMoE's mixture of attention heads)"
+        )
+    gate_up = projection(split[0].args[0][e])
+    segment = _segment(gate_up.input, sizes) if gate_up is not None else None
+    if segment is None or segment[1] != e:
+        return f"expert {e}'s gate/up input is not segment {e} of the sorted rows"
+    rows.append(segment[0])
+    activation, desc = activation_of(product.activation_node)
+    return ExpertTerm(piece, piece, None, segment[0], activation, desc, gate_up, None, None, down)
+
+
+def _sizes(cat: Node) -> list | None:
+    """The symbolic segment sizes: the rows of each piece of `cat`."""
+    sizes = [_expr(shape(p)[0]) if shape(p) else None for p in cat.args[0]]
+    return None if any(s is None for s in sizes) else sizes
+
+
+def match_at(cat: Node, counts: dict[Node, list[Node | None]]) -> ExpertsMatch | Decline:
+    how, output, perm, slot_weights, token_index = _combined(cat)
+
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, output, at)
+
+    sizes = _sizes(cat)
+    if sizes is None:
+        return no("the expert outputs' row counts are not known symbolically", cat)
+    rows: list[Node] = []
+    terms = []
+    for e, piece in enumerate(cat.args[0]):
+        term = _segment_term(piece, e, sizes, rows)
+        if isinstance(term, str):
+            return no(term, piece)
+        terms.append(term)
+    flat = _sort_permutation(perm)
+    ids = _slot_ids(flat) if flat is not None else None
+    if ids is None:
+        return no("the rows are not ordered by sorting the flat expert ids", perm)
+    top_k, experts = const_int(shape(ids)[1]), len(terms)
+    sorted_rows = strip_shape_ops(rows[0])
+    if any(strip_shape_ops(r) is not sorted_rows for r in rows) or not is_call(sorted_rows, aten.index.Tensor):
+        return no("the experts do not read segments of one gather of the hidden states", rows[0])
+    hidden, (row_tokens,) = sorted_rows.args[0], sorted_rows.args[1]
+    if not _token_of_slot(row_tokens, perm, top_k):
+        return no("the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows)
+    reason = _sizes_are_counts(sizes, counts, ids, experts)
+    if reason is not None:
+        return no(reason, cat)
+    if how == "index_add":
+        weights = _slot_weights(slot_weights, top_k)
+        if weights is None or not _token_of_slot(token_index, perm, top_k):
+            return no("the expert outputs are not added back to their tokens with their slot's weight", output)
+    else:
+        output, weights = _unpermuted_sum(output, top_k)
+        if output is None:
+            return no("the unpermuted outputs are not weighted and summed over the k slots", cat)
+    return _match(output, terms, hidden, ids, weights, top_k, no)
+
+
+def _sizes_are_counts(sizes: list, counts: dict, ids: Node, experts: int) -> str | None:
+    for count_tensor, reads in counts.items():
+        if len(reads) == experts and all(r is not None for r in reads) and [_expr(r) for r in reads] == sizes:
+            return _counts_of(count_tensor, ids, experts)
+    return "the segment sizes are not the elements of one per-expert count tensor in expert order"
+
+
+def _slot_weights(gathered_from: Node, top_k: int) -> Node | None:
+    """w [T, k] when `gathered_from` is w.view(-1)."""
+    weights = strip_shape_ops(strip_casts(gathered_from))
+    shaped = shape(weights)
+    return weights if shaped is not None and len(shaped) == 2 and const_int(shaped[1]) == top_k else None
+
+
+def _unpermuted_sum(put: Node, top_k: int) -> tuple[Node | None, Node | None]:
+    """(output, w) for (put.view(T, k, H) * w[..., None]).sum(1), casts allowed."""
+    node, users = put, list(put.users)
+    while len(users) == 1 and (is_call(users[0], *_VIEWS) or is_cast(users[0])):
+        node, users = users[0], list(users[0].users)
+    if len(users) != 1 or not is_call(users[0], aten.mul.Tensor) or len(shape(node) or ()) != 3:
+        return None, None
+    product = users[0]
+    scale = product.args[1] if product.args[0] is node else product.args[0]
+    weights = strip_shape_ops(strip_casts(scale))
+    summed = list(product.users)
+    if const_int(shape(node)[1]) != top_k or len(summed) != 1 or not is_call(summed[0], aten.sum.dim_IntList):
+        return None, None
+    if list(summed[0].args[1]) not in ([1], [-2]) or shape(weights) is None or len(shape(weights)) != 2:
+        return None, None
+    output = summed[0]
+    if len(output.users) == 1 and is_cast(next(iter(output.users))):
+        output = next(iter(output.users))
+    return output, weights
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _match(output, terms, hidden, ids, weights, top_k, no) -> ExpertsMatch | Decline:
+    if len({t.activation_desc for t in terms}) != 1 or terms[0].activation is None:
+        return no(f"experts use an activation the kernel lacks or several ({terms[0].activation_desc})")
+    if len({t.gate_up is not None for t in terms}) != 1:
+        return no("experts mix fused gate/up and separate gate and up projections")
+    roles = {name: role_weights(terms, name) for name in ("gate_up", "gate", "up", "down")}
+    if any(isinstance(r, str) for r in roles.values()):
+        return no(next(r for r in roles.values() if isinstance(r, str)))
+    if shape(ids) != shape(weights):
+        return no("routing ids and weights are not [T, k] tensors of the same shape", weights)
+    return ExpertsMatch(
+        form=FORM,
+        output=output,
+        hidden=hidden,
+        ids=ids,
+        weights=weights,
+        num_experts=len(terms),
+        top_k=top_k,
+        activation=terms[0].activation,
+        **roles,
+    )
+

@@ -1,0 +1,163 @@
+"""Segmented experts (transformers 4.x GraniteMoE, GraniteMoE-Shared, JetMoE): what is fused and what not.
+
+The catalog's `granite4_segments` mirrors the 4.x block; real 4.55 / 4.57 models are in
+tests/test_transformers4.py (JetMoE 5.x too: tests/test_transformers_models.py). Here: the cases the
+equivalence argument names (top-1, one token, experts no token chose), the per-compile scalar capture
+the adapter switches on, and near misses that must be declined with the construct named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_passes.adapters import hit_expert_loops
+from patterns import catalog
+from patterns.granite4_segments import SegmentGate, SegmentMoE
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+
+FORM = catalog()["granite4_segments"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(top_k=1), dict(tokens=1), dict(num_experts=8, tokens=2), dict(dtype=torch.bfloat16, tokens=5)],
+    ids=["top1", "one_token", "unchosen_experts", "bf16"],
+)
+def test_segments_are_fused_and_equal(overrides):
+    model, inputs = FORM.build(**overrides)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert [f.form for f in report.fused] == ["segments", "segments"], str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    assert not torch._dynamo.config.capture_scalar_outputs  # switched on for that compile only
+
+
+def test_without_the_adapter_the_count_read_breaks_the_graph():
+    model, inputs = FORM.build(layers=1)
+    report, output, recorder = run_hpu_moe(model, inputs, adapters=False)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_only_count_reads_switch_scalar_capture_on():
+    def counts(self, gates):
+        sizes = gates.long().sum(0)
+        sizes = sizes.tolist()
+        return sizes
+
+    def other(self, x):
+        return x.max(1).values.tolist()
+
+    assert hit_expert_loops.analyse(counts)[2].captures_scalars
+    assert not hit_expert_loops.analyse(other)[2].captures_scalars
+
+
+# ---------------------------------------------------------------------------------------------------
+# Near misses: each changes what the block computes in one construct; the graph is captured with the
+# user's setting so that the finder, not dynamo, must tell them apart.
+
+
+class DescendingGate(SegmentGate):
+    def forward(self, hidden_states):
+        perm, _, _, sizes = super().forward(hidden_states)
+        logits = self.layer(hidden_states).float()
+        weights, ids = logits.topk(self.top_k, dim=1)
+        weights = torch.softmax(weights, dim=1).type_as(hidden_states)
+        _, perm = ids.flatten().sort(0, descending=True)  # expert E-1 first: not the counts' order
+        return perm, perm.div(self.top_k, rounding_mode="trunc"), weights.flatten()[perm], sizes
+
+
+class ShiftedCountsGate(SegmentGate):
+    def forward(self, hidden_states):
+        perm, batch_index, gates, sizes = super().forward(hidden_states)
+        return perm, batch_index, gates, sizes[1:] + sizes[:1]  # sizes of another expert
+
+
+class SwappedCountsGate(SegmentGate):
+    def forward(self, hidden_states):
+        top_k_logits, ids = self.layer(hidden_states).float().topk(self.top_k, dim=1)
+        top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+        swapped = torch.where(ids == 0, 1, torch.where(ids == 1, 0, ids))  # experts 0 and 1 counted swapped
+        counts = torch.zeros(ids.shape[0], self.num_experts).scatter(1, swapped, 1).long().sum(0)
+        _, perm = ids.flatten().sort(0)
+        return perm, perm.div(self.top_k, rounding_mode="trunc"), top_k_gates.flatten()[perm], counts.tolist()
+
+
+class UngatedMoE(SegmentMoE):
+    """One projection, an activation, another projection: not act(gate) * up."""
+
+    def forward(self, layer_input):
+        bsz, length, emb_size = layer_input.size()
+        layer_input = layer_input.reshape(-1, emb_size)
+        _, batch_index, batch_gates, expert_size = self.router(layer_input)
+        hidden_states = self.activation(self.input_linear(layer_input[batch_index], expert_size))
+        hidden_states = hidden_states[:, : hidden_states.shape[-1] // 2]
+        expert_outputs = self.output_linear(hidden_states, expert_size) * batch_gates[:, None]
+        zeros = torch.zeros((bsz * length, emb_size), dtype=expert_outputs.dtype)
+        return zeros.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
+
+
+NEAR_MISSES = {
+    "descending_sort": (DescendingGate, None, "not ordered by sorting the flat expert ids"),
+    "sizes_in_another_order": (ShiftedCountsGate, None, "not the elements of one per-expert count tensor in expert order"),
+    "counts_of_other_ids": (SwappedCountsGate, None, "not the number of slots routed to each expert"),
+    "ungated_experts": (None, UngatedMoE, "not act(gate) * up of joined segments"),
+}
+
+
+@pytest.mark.parametrize("case", list(NEAR_MISSES))
+def test_near_misses_are_declined_with_the_construct_named(case):
+    gate_class, moe_class, reason = NEAR_MISSES[case]
+    model, inputs = FORM.build(layers=1)
+    moe = model.moes[0]
+    if gate_class is not None:
+        moe.router.__class__ = gate_class
+    if moe_class is not None:
+        moe.__class__ = moe_class
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count == 0 and not recorder.fused_nodes(), str(report)
+    assert len(report.declined) == 1 and reason in report.declined[0].reason, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class SplitModuleListMoE(torch.nn.Module):
+    """Hand-written in the style of Megatron-core's SequentialMLP and transformers 4.x DeepSeek-V2: whole
+    per-expert MLPs (a ModuleList) on `split(sorted rows, counts.tolist())`, `cat`, the rows put back in
+    slot order with `out[perm] = y`, weighted and summed over the k slots."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        from patterns._common import GatedMLP, Router
+
+        self.num_experts = cfg["num_experts"]
+        self.router = Router(cfg)
+        self.experts = torch.nn.ModuleList(
+            GatedMLP(cfg["hidden"], cfg["intermediate"], cfg["activation"]) for _ in range(cfg["num_experts"])
+        )
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat)
+        tokens_per_expert = torch.histc(ids.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        tokens_per_expert = tokens_per_expert.long()
+        perm = ids.view(-1).argsort()
+        sorted_rows = flat[perm // ids.shape[1]]
+        pieces = sorted_rows.split(tokens_per_expert.tolist())
+        outs = torch.cat([expert(piece) for expert, piece in zip(self.experts, pieces, strict=True)])
+        unpermuted = torch.empty_like(outs)
+        unpermuted[perm] = outs
+        return (unpermuted.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).view(x.shape)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6), dict(top_k=1)], ids=["default", "decode", "top1"])
+def test_whole_expert_mlps_on_split_segments_put_back_by_the_permutation_are_fused(overrides):
+    from patterns._common import TinyDecoder, finish, settings
+
+    cfg = settings({"layers": 1, **overrides})
+    model, inputs = finish(TinyDecoder(SplitModuleListMoE, cfg), cfg)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert [f.form for f in report.fused] == ["segments"], str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
