@@ -192,12 +192,44 @@ class LastExpertUsedAfter(HitExpertLoopMoE):
         return out.view(x.shape) + y.sum()
 
 
+class ExtraClassNoSkip(HitExpertLoopMoE):
+    """transformers 5.x DBRX: one_hot over E + 1 classes (an expert-parallel sentinel), no `continue` for
+    the extra class: the original only visits it by raising IndexError, so the rewrite stops at E."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            out.index_add_(0, top_x, self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None])
+        return out.view(x.shape)
+
+
+class ExpertBuiltInTheBody(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            experts = list(self.experts)
+            out.index_add_(0, top_x, experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None])
+        return out.view(x.shape)
+
+
 DECLINED = {
     ConditionalBody: "an `if` statement in the loop body (`if expert_idx == 0:`)",
     CountsCalls: "a call in the loop body (`calls.append(expert_idx)`)",
     SignedMask: "is not built by one_hot",
     RowsNotFromTheMask: "the accumulated rows are not the non-zero entries",
     LastExpertUsedAfter: "y, bound in the loop body, is read outside the loop",
+    ExpertBuiltInTheBody: "its length cannot be read before the loop",
 }
 
 
@@ -262,6 +294,16 @@ def test_a_continue_on_the_expert_index_is_kept_static_and_the_rest_fused(overri
     (the kernel's experts_min, as for one rank's experts), equal to eager."""
     model, inputs = FORM.build(layers=1, **overrides)
     _swap(model, SkipsAnExpertByIndex)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, top_k=1)], ids=["default", "decode_top1"])
+def test_rows_beyond_the_indexed_containers_are_not_visited(overrides):
+    model, inputs = FORM.build(layers=1, **overrides)
+    _swap(model, ExtraClassNoSkip)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 1, str(report)

@@ -69,6 +69,9 @@ class HitLoop:
     mask: str  # M in the hit test and in the body's torch.where(M[var])
     dims: tuple[int, ...]  # the dims of M the hit test reduces
     skips: tuple[int, ...] = ()  # lines of `if <test of var>: continue`, evaluated on the Python index
+    # (container source, dim) of each `X[var]` / `X[.., var, ..]` in the body: rows beyond a container's
+    # length are not visited (the original raises IndexError if such a row is ever hit).
+    indexed: tuple[tuple[str, int], ...] = ()
 
 
 class NotAdaptable(Exception):
@@ -300,6 +303,49 @@ def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     return rows.get(subject.id) if isinstance(subject, ast.Name) else None
 
 
+def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
+    """(source, dim) of every container the body indexes with the loop variable.
+
+    A row the original loop never visits (not hit) may be out of range for such a container (DBRX and
+    the 5.x `eager` experts keep an extra one-hot class for expert-parallel sentinels); the rewritten
+    loop stops at the shortest one, so its length is read before the loop: the container must be a
+    name or attribute chain, possibly viewed, that the body does not bind.
+    """
+    bound = {n for stmt in loop.body for t in ast.walk(stmt) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) for n in [t.id]}
+    found = []
+    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+        if not isinstance(node, ast.Subscript) or node.value is None:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id == var:
+            continue  # `var[0]`: the element itself
+        elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        dim = 0
+        for element in elements:
+            if isinstance(element, ast.Constant) and element.value is Ellipsis:
+                if any(isinstance(e, ast.Name) and e.id == var for e in elements):
+                    raise NotAdaptable(f"line {node.lineno}: the loop variable indexes past an ellipsis")
+                break
+            if isinstance(element, ast.Constant) and element.value is None:
+                continue  # a new axis: no dim of the container
+            if isinstance(element, ast.Name) and element.id == var:
+                found.append((_container_source(node.value, bound, var), dim))
+            dim += 1
+    return tuple(dict.fromkeys(found))
+
+
+def _container_source(expr: ast.AST, bound: set[str], var: str) -> str:
+    names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    calls_ok = all(
+        _call_name(n) in _VIEW_METHODS and isinstance(n.func, ast.Attribute) for n in ast.walk(expr) if isinstance(n, ast.Call)
+    )
+    if names & (bound | {var}) or not calls_ok:
+        raise NotAdaptable(
+            f"line {expr.lineno}: `{ast.unparse(expr)[:40]}` is indexed with the loop variable, and its length "
+            "cannot be read before the loop"
+        )
+    return ast.unparse(expr)
+
+
 def _unwraps_element(stmt: ast.stmt, var: str) -> bool:
     """`var = var[0]`: the [1]-shaped row of `nonzero` replaced by its one element."""
     return (
@@ -515,7 +561,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         mask, dims = _hit_test_mask(operand, assignments)
         removable, skips = _check_body(node, node.target.id, mask, fn_def)
         guards.extend(removable)
-        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips)))
+        indexed = _indexed_containers(node, node.target.id)
+        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     return fn_def, filename, Plan(loops, guards, captures, _reads_counts_as_numbers(fn_def, assignments))
 
 
@@ -626,7 +673,9 @@ class _Rewrite(ast.NodeTransformer):
         body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in visited]
         body = [_IndexTests(loop, index).visit(stmt) for stmt in body]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
-        target, iterate = ast.Name(index, ast.Store()), _parse_expr(f"range({loop.hit}.shape[0])")
+        sized = ", ".join(f"({source}, {dim})" for source, dim in loop.indexed)
+        target = ast.Name(index, ast.Store())
+        iterate = _parse_expr(f"range({_HELPERS}.rows_to_visit({loop.hit}, {_ALL}_{loop.hit}, [{sized}]))")
         for new in (bind, target, iterate):  # the new nodes report the loop's own line; the body keeps its lines
             for part in ast.walk(new):
                 if isinstance(part, ast.expr | ast.stmt):
@@ -741,6 +790,16 @@ def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]):
     return test.nonzero(), False
 
 
+def rows_to_visit(hit: torch.Tensor, every_row: bool, indexed) -> int:
+    """The rows of `hit` to loop over: with every row, no more than the shortest container the body
+    indexes with the row (a longer row is one the original loop could only visit by raising)."""
+    rows = hit.shape[0]
+    if every_row:
+        for container, dim in indexed:
+            rows = min(rows, len(container) if isinstance(container, torch.nn.Module) else container.shape[dim])
+    return rows
+
+
 def pick(container, row: torch.Tensor, index: int, every_row: bool):
     """container[row], with the Python int when rows are 0..n-1 and the int selects the same thing: for
     module containers, and for a 0-dim row (indexing with a 0-dim integer tensor is indexing with its
@@ -822,6 +881,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         all_rows=all_rows,
         pick=pick,
+        rows_to_visit=rows_to_visit,
         index_value=index_value,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
