@@ -17,6 +17,7 @@ import warnings
 
 import torch
 from torch._dynamo.backends.registry import list_backends, lookup_backend
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from . import lowering
 from .adapters import install_discovery_hook
@@ -157,6 +158,11 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             rewritten = rewrite_graph(gm, example_inputs, opts, target, record)
             if rewritten is not None:
                 graph = rewritten
+        except DataDependentOutputException as error:  # a construct, not a bug: reported, no warning
+            record.fallback = (
+                "the graph reads tensor values as Python numbers (`.item()` / `.tolist()`, here "
+                f"{error.func}) that the canonical trace cannot follow; graph left unrewritten"
+            )
         except Exception as error:  # noqa: BLE001 - never break the user's compile
             record.fallback = f"internal error, graph left unrewritten: {type(error).__name__}: {error}"
             warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)

@@ -81,3 +81,18 @@ def skip_unless_the_dp_context_breaks(broke: bool) -> None:
     apply there."""
     if not broke and torch_release() < (2, 11):
         pytest.skip(f"torch {torch.__version__} traces the DP context's .tolist() without a graph break")
+
+
+def dynamo_breaks_on_tolist() -> bool:
+    """Whether this torch's dynamo breaks the graph at `counts.tolist()` without capture_scalar_outputs
+    (torch 2.9's keeps the call in the graph instead)."""
+
+    def split_by_counts(ids, rows):
+        counts = torch.zeros(4, dtype=torch.long).scatter_add(0, ids, torch.ones_like(ids)).tolist()
+        return torch.cat([piece * 2 for piece in rows.split(counts)])
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):
+        explanation = torch._dynamo.explain(split_by_counts)(torch.tensor([0, 1, 1]), torch.ones(3, 2))
+    torch._dynamo.reset()
+    return explanation.graph_break_count > 0

@@ -16,6 +16,7 @@ from patterns._common import Router
 from patterns._gpt_oss4 import GptOss4Router
 from patterns.granite4_segments import SegmentGate
 from patterns.near_miss_llama4_dense_bmm import Llama4Router
+from tests.helpers import dynamo_breaks_on_tolist
 
 FORMS = catalog()
 NAMES = list(FORMS)
@@ -126,6 +127,8 @@ def test_default_build_runs_and_compiles_as_its_docstring_says(name):
         explanation = torch._dynamo.explain(model)(*inputs)
         if form.EXPECTED.graph_breaks or getattr(form, "ADAPTER", None):
             # an adapted form breaks plain dynamo: the adapter is needed, not decorative
+            if name == "granite4_segments" and not dynamo_breaks_on_tolist():
+                pytest.skip(f"torch {torch.__version__}'s dynamo keeps `.tolist()` in the graph")
             assert explanation.graph_break_count > 0
             return
         compiled = torch.compile(model, backend="eager", fullgraph=True)(*inputs)

@@ -14,7 +14,7 @@ import torch
 from moe_passes.adapters import hit_expert_loops
 from patterns import catalog
 from patterns.granite4_segments import SegmentGate, SegmentMoE
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.helpers import assert_close_for_dtype, dynamo_breaks_on_tolist, eager_output, run_hpu_moe
 
 FORM = catalog()["granite4_segments"]
 
@@ -33,10 +33,13 @@ def test_segments_are_fused_and_equal(overrides):
     assert not torch._dynamo.config.capture_scalar_outputs  # switched on for that compile only
 
 
-def test_without_the_adapter_the_count_read_breaks_the_graph():
+def test_without_the_adapter_nothing_is_fused():
+    """The count read breaks the graph (torch 2.9's dynamo keeps it in the graph instead, where the
+    canonical trace cannot read it: the graph is left unrewritten); either way eager's numbers."""
     model, inputs = FORM.build(layers=1)
     report, output, recorder = run_hpu_moe(model, inputs, adapters=False)
-    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert not recorder.fused_nodes(), str(report)
+    assert report.graph_break_count > 0 or not dynamo_breaks_on_tolist(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
