@@ -101,6 +101,20 @@ class UngatedMoE(SegmentMoE):
         return zeros.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
 
 
+class AddedIntoTheInput(SegmentMoE):
+    """The expert outputs are added into the input rows, not into zeros: the layer's output is x + MoE(x)."""
+
+    def forward(self, layer_input):
+        bsz, length, emb_size = layer_input.size()
+        layer_input = layer_input.reshape(-1, emb_size)
+        _, batch_index, batch_gates, expert_size = self.router(layer_input)
+        hidden_states = self.input_linear(layer_input[batch_index], expert_size)
+        chunked = hidden_states.chunk(2, dim=-1)
+        hidden_states = self.activation(chunked[0]) * chunked[1]
+        expert_outputs = self.output_linear(hidden_states, expert_size) * batch_gates[:, None]
+        return layer_input.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
+
+
 NEAR_MISSES = {
     "descending_sort": (DescendingGate, None, "not ordered by sorting the flat expert ids"),
     "sizes_in_another_order": (ShiftedCountsGate, None, "not the elements of one per-expert count tensor in expert order"),
@@ -163,4 +177,13 @@ def test_whole_expert_mlps_on_split_segments_put_back_by_the_permutation_are_fus
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert [f.form for f in report.fused] == ["segments"], str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_outputs_added_into_another_tensor_are_not_fused():
+    """index_add into the input rows, not into zeros: one fused call would drop the input."""
+    model, inputs = FORM.build(layers=1)
+    model.moes[0].__class__ = AddedIntoTheInput
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count == 0 and not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))

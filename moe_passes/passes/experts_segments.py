@@ -36,7 +36,7 @@ from ..fx_utils import (
     strip_shape_ops,
 )
 from . import probe
-from .experts_dense_loop import ExpertTerm, read_term, role_weights
+from .experts_dense_loop import ExpertTerm, is_zero_init, read_term, role_weights
 from .matches import Decline, ExpertsMatch
 from .mlp import activation_of, gated_product, halves, projection
 
@@ -156,12 +156,16 @@ def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
         adds = [u for u in user.users if is_call(u, aten.index_add.default)]
         if len(user.users) != 1 or not adds or adds[0].args[1] != 0 or adds[0].args[3] is not user:
             return None
+        if not is_zero_init(adds[0].args[0]):  # into another tensor: the output is not the MoE alone
+            return None
         gathered = strip_shape_ops(scale)
         if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1):
             return None
         return "index_add", adds[0], gathered.args[1][0], gathered.args[0], adds[0].args[2]
-    if is_call(user, aten.index_put.default) and user.args[2] is cat and len(user.args[1]) == 1:
-        return "unpermute", user, user.args[1][0], None, None  # DeepSeek-V2: the weights come after
+    accumulates = len(user.args) > 3 and user.args[3]
+    if is_call(user, aten.index_put.default) and user.args[2] is cat and len(user.args[1]) == 1 and not accumulates:
+        # out[perm] = y with perm a permutation of every row: all rows overwritten (DeepSeek-V2's combine)
+        return "unpermute", user, user.args[1][0], None, None
     return None
 
 
