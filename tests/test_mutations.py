@@ -37,7 +37,7 @@ MUTATIONS = {
     "dense": (*COMMON, "bias_in_one_expert"),
     "sparse": (*COMMON, "bias_in_one_expert"),
     "dense_bmm": ("weights_before_mlp", "expert_output_escapes", "weight_intermediate_escapes", "bias_in_one_expert",
-                  "wrong_table_column"),
+                  "wrong_table_column", "wrong_sum_axis"),
 }
 
 
@@ -217,6 +217,8 @@ def dense_bmm(mutation):
             y = y + TAP * (torch.arange(experts) == 0).to(y.dtype)[:, None, None]
         weighted = y if mutation == "weights_before_mlp" else y * column
         out = weighted.sum(dim=0)
+        if mutation == "wrong_sum_axis":  # the [E, T, H] products re-read as [T, E, H]
+            out = weighted.reshape(-1, experts, self.hidden_size).sum(dim=1)
         if mutation == "expert_output_escapes":
             out = out + TAP * y[0]
         if mutation == "weight_intermediate_escapes":

@@ -51,11 +51,17 @@ def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
             if len(shape(weights) or ()) == 3 and strip_shape_ops(weights).op == "placeholder":
                 if _input_scaled_repeat(inputs):
                     results.append(Decline(FORM, REASON, node))
-        elif is_call(node, aten.sum.dim_IntList) and list(node.args[1]) in ([0], [-4], [-3]):
+        elif is_call(node, aten.sum.dim_IntList) and _sums_leading_dim(node):
             result = match_at(node)
             if result is not None:
                 results.append(result)
     return results
+
+
+def _sums_leading_dim(node: Node) -> bool:
+    summed_shape = shape(node.args[0])
+    dims = list(node.args[1])
+    return bool(summed_shape) and len(dims) == 1 and dims[0] % len(summed_shape) == 0
 
 
 def _through_views(node: Node) -> Node:
@@ -175,6 +181,10 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
     hidden = _repeated_tokens(gate_up_mm.args[0], experts)
     if hidden is None:
         return no("the batched rows are not every token once per expert (x.repeat(E, 1))", gate_up_mm.args[0])
+    operand_shape = shape(operand)
+    if const_int(operand_shape[0]) != experts or const_int(operand_shape[-1]) != const_int(shape(hidden)[-1]):
+        # a reshape that keeps the experts leading (and the hidden size last) keeps each expert's rows
+        return no("the weighted expert outputs are not laid out [experts, ..., hidden]", operand)
     table = _routing_table(coefficient)
     if table is None:
         return no("the expert outputs are not weighted by a [T, E] table scattered from top-k", coefficient)
