@@ -21,6 +21,7 @@ from torch.fx import Node
 
 from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops
 from . import probe
+from .biases import bias_fields
 from .experts_dense_loop import is_zero_init
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate, stacked_weight
@@ -196,14 +197,6 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
     reason = _scales_columns(coefficient, operand, table, experts)
     if reason is not None:
         return no(reason, coefficient)
-    biases = {}
-    if gate.swiglu is not None:
-        biases = dict(
-            gate_up_bias=ExpertWeights(stacked=up_bias),
-            down_bias=ExpertWeights(stacked=down_bias),
-            alpha=gate.swiglu.alpha,
-            limit=gate.swiglu.limit,
-        )
     return ExpertsMatch(
         form=FORM,
         output=out,
@@ -215,5 +208,5 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         activation=gate.activation,
         gate_up=ExpertWeights(stacked=gate_up, out_in=gate_up_out_in),
         down=ExpertWeights(stacked=down, out_in=down_out_in),
-        **biases,
+        **bias_fields(gate.swiglu, up_bias, down_bias),
     )
