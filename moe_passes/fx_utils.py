@@ -125,8 +125,12 @@ def const_int(value: object) -> int | None:
     return None
 
 
-# Factories that read only the shape, dtype and device of their tensor argument, never its values.
+# Ops that read only the shape, dtype and device of their tensor argument, never its values.
 METADATA_ONLY_OPS = (
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.empty_like.default,

@@ -88,6 +88,7 @@ def test_catalog_lists_the_forms_in_a_stable_order():
     "gpt_oss4_hit_loop",
     "gpt_oss4_dense_bmm",
     "granite4_segments",
+    "deepseek_v2_count_loop",
     "expert_parallel_sparse_loop",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",

@@ -117,8 +117,8 @@ class AddedIntoTheInput(SegmentMoE):
 
 NEAR_MISSES = {
     "descending_sort": (DescendingGate, None, "not ordered by sorting the flat expert ids"),
-    "sizes_in_another_order": (ShiftedCountsGate, None, "not the elements of one per-expert count tensor in expert order"),
-    "counts_of_other_ids": (SwappedCountsGate, None, "not the number of slots routed to each expert"),
+    "sizes_in_another_order": (ShiftedCountsGate, None, "is not the run of sorted slots routed to it"),
+    "counts_of_other_ids": (SwappedCountsGate, None, "is not the run of sorted slots routed to it"),
     "ungated_experts": (None, UngatedMoE, "not act(gate) * up of joined segments"),
 }
 

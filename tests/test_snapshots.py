@@ -174,6 +174,23 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
             format_graph(rewritten_graph("hf4_sparse_loop", num_experts=2)),
         )
 
+    def test_deepseek_v2_count_loop(self):
+        """The loop over the per-expert counts, its `if n == 0: continue` removed, sliced with unbacked
+        offsets: one `default` call with w1 = gate_proj, w2 = up_proj, w3 = down_proj of each expert."""
+        self.assertExpectedInline(
+            format_fused_calls(rewritten_graph("deepseek_v2_count_loop", num_experts=2)),
+            """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten.sum.dim_IntList(%3, [-1], True)
+  %6 = aten.div.Tensor(%3, %5)
+  %7 = moe_passes.mixture_of_experts(%1, %4, %6, [in2, in3], [in4, in5], [in6, in7], True, 'silu', 0, 1)""",
+        )
+
     def test_mixtral4_sparse_loop_passes_w3_as_up_and_w2_as_down(self):
         """Mixtral's w1/w3/w2 reach the kernel as w1 (gate), w2 (up), w3 (down): roles, not names."""
         model, inputs = catalog()["mixtral4_sparse_loop"].build(layers=1, num_experts=2)

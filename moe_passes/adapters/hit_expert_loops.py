@@ -41,13 +41,23 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import inspect
 import logging
 import os
-import textwrap
 import types
 
 import torch
+
+from .count_loops import count_loop_guards, reads_counts_as_numbers
+from .source_ast import (
+    VIEW_METHODS,
+    NotAdaptable,
+    bindings,
+    call_name,
+    function_source,
+    names_in_target,
+    stored_names,
+    walk_function,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +66,6 @@ _HELPERS = "__moe_passes_loop_helpers"
 _INDEX = "__moe_passes_expert"
 _ALL = "__moe_passes_all_rows"
 _ACCUMULATORS = {"index_add_", "index_put_"}
-_VIEW_METHODS = {"permute", "transpose", "view", "reshape", "contiguous", "to", "int", "long", "bool", "float"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,81 +83,13 @@ class HitLoop:
     indexed: tuple[tuple[str, int], ...] = ()
 
 
-class NotAdaptable(Exception):
-    """The source does not prove the loop equivalent; the message names the construct and its line."""
-
-
 # ---------------------------------------------------------------------------------------------------
 # Reading the source
 
 
-def _function_source(fn) -> tuple[ast.FunctionDef, str]:
-    try:
-        lines, first = inspect.getsourcelines(fn)
-        filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
-    except (OSError, TypeError) as exc:
-        raise NotAdaptable(f"source of {fn.__qualname__} is not available ({exc})") from None
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    fn_def = tree.body[0]
-    if not isinstance(fn_def, ast.FunctionDef):
-        raise NotAdaptable(f"{fn.__qualname__} is not a plain function definition")
-    ast.increment_lineno(tree, first - 1)
-    return fn_def, filename
-
-
-def _walk_function(fn_def: ast.FunctionDef):
-    """Nodes of the function body, not descending into nested functions, lambdas or classes."""
-    stack = list(fn_def.body)
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
-                stack.append(child)
-
-
-def _stored_names(target: ast.AST) -> list[str]:
-    if isinstance(target, ast.Name):
-        return [target.id]
-    if isinstance(target, ast.Tuple | ast.List):
-        return [n for element in target.elts for n in _stored_names(element)]
-    if isinstance(target, ast.Starred):
-        return _stored_names(target.value)
-    raise NotAdaptable(f"line {target.lineno}: assignment to {ast.dump(target)[:40]} (only names allowed)")
-
-
-def _assignments(fn_def: ast.FunctionDef) -> dict[str, list[ast.Assign]]:
-    found: dict[str, list[ast.Assign]] = {}
-    for node in _walk_function(fn_def):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                for name in _names_in_target(target):
-                    found.setdefault(name, []).append(node)
-        elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.For | ast.With | ast.NamedExpr):
-            targets = [node.target] if not isinstance(node, ast.With) else [
-                item.optional_vars for item in node.items if item.optional_vars is not None
-            ]
-            for target in targets:
-                for name in _names_in_target(target):
-                    found.setdefault(name, []).append(node)
-    return found
-
-
-def _names_in_target(target: ast.AST) -> list[str]:
-    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
-
-
-def _call_name(call: ast.AST) -> str | None:
-    """`torch.nn.functional.one_hot(...)` -> "one_hot"; `x.nonzero()` -> "nonzero"."""
-    if not isinstance(call, ast.Call):
-        return None
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-
-
 def _nonzero_operand(value: ast.AST) -> ast.AST | None:
     """C when `value` is `C.nonzero()` or `torch.nonzero(C)` (index rows, not the as_tuple form)."""
-    if _call_name(value) != "nonzero" or value.keywords:
+    if call_name(value) != "nonzero" or value.keywords:
         return None
     if isinstance(value.func, ast.Attribute) and not value.args:
         base = value.func.value
@@ -169,10 +110,10 @@ def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozens
             if expr.id in seen:  # a re-binding that views the name itself: decided by the other bindings
                 return True
             return all(_is_one_hot(b.value, assignments, seen | {expr.id}) for b in bound)
-        name = _call_name(expr)
+        name = call_name(expr)
         if name == "one_hot":
             return True
-        if name in _VIEW_METHODS and isinstance(expr.func, ast.Attribute):
+        if name in VIEW_METHODS and isinstance(expr.func, ast.Attribute):
             expr = expr.func.value
             continue
         return False
@@ -196,16 +137,16 @@ def _reduced_dims(call: ast.Call) -> tuple[int, ...] | None:
 def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ...]]:
     """(M, reduced dims) when `test` is true exactly for the rows e where M[e] has a non-zero entry."""
     line = getattr(test, "lineno", "?")
-    if _call_name(test) == "any" and isinstance(test.func, ast.Attribute):
+    if call_name(test) == "any" and isinstance(test.func, ast.Attribute):
         reduction, positive = test, True
-    elif _call_name(test) in ("greater", "gt") and len(test.args) == 2:
+    elif call_name(test) in ("greater", "gt") and len(test.args) == 2:
         reduction, positive = test.args[0], isinstance(test.args[1], ast.Constant) and test.args[1].value == 0
     elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Gt):
         reduction = test.left
         positive = isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0
     else:
         raise NotAdaptable(f"line {line}: the hit test is not `M.sum(dims) > 0` or `M.any(dims)`")
-    if not positive or _call_name(reduction) not in ("sum", "any") or not isinstance(reduction.func, ast.Attribute):
+    if not positive or call_name(reduction) not in ("sum", "any") or not isinstance(reduction.func, ast.Attribute):
         raise NotAdaptable(f"line {line}: the hit test is not `M.sum(dims) > 0` or `M.any(dims)`")
     mask = reduction.func.value
     if not isinstance(mask, ast.Name):
@@ -224,7 +165,7 @@ def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ..
 def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
     """`M[var]` through view-like methods (`.squeeze(0)`, ...)."""
     while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in (
-        _VIEW_METHODS | {"squeeze", "flatten"}
+        VIEW_METHODS | {"squeeze", "flatten"}
     ):
         expr = expr.func.value
     return (
@@ -243,7 +184,7 @@ def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> list[str]:
     if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
         return []
     value = stmt.value
-    name = _call_name(value)
+    name = call_name(value)
     as_tuple = any(k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value for k in value.keywords) if isinstance(value, ast.Call) else False
     if name == "where" and len(value.args) == 1 and not value.keywords:
         operand = value.args[0]
@@ -253,7 +194,7 @@ def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> list[str]:
         return []
     if mask is not None and not _selects_row(operand, mask, var):
         return []
-    return _stored_names(stmt.targets[0])
+    return stored_names(stmt.targets[0])
 
 
 def _skip_when_empty(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
@@ -286,9 +227,9 @@ def _emptiness_guard(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
 
 def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     """For `r.numel()`, `len(r)` or `r.shape[0]` with r in `rows`: the line that bound r, else None."""
-    if _call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
+    if call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
         subject = test.func.value
-    elif _call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
+    elif call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
         subject = test.args[0]
     elif (
         isinstance(test, ast.Subscript)
@@ -336,7 +277,7 @@ def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
 def _container_source(expr: ast.AST, bound: set[str], var: str) -> str:
     names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
     calls_ok = all(
-        _call_name(n) in _VIEW_METHODS and isinstance(n.func, ast.Attribute) for n in ast.walk(expr) if isinstance(n, ast.Call)
+        call_name(n) in VIEW_METHODS and isinstance(n.func, ast.Attribute) for n in ast.walk(expr) if isinstance(n, ast.Call)
     )
     if names & (bound | {var}) or not calls_ok:
         raise NotAdaptable(
@@ -398,7 +339,7 @@ def _check_body(
         for stmt in statements:
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                names = [n for t in targets for n in _stored_names(t)]
+                names = [n for t in targets for n in stored_names(t)]
                 if var in names:
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
                 rows.update(dict.fromkeys(_rows_names(stmt, mask, var), stmt.lineno))
@@ -407,7 +348,7 @@ def _check_body(
                 if any(item.optional_vars is not None for item in stmt.items):
                     raise NotAdaptable(f"line {stmt.lineno}: `with ... as` in the loop body")
                 visit(stmt.body)
-            elif isinstance(stmt, ast.Expr) and _call_name(stmt.value) in _ACCUMULATORS:
+            elif isinstance(stmt, ast.Expr) and call_name(stmt.value) in _ACCUMULATORS:
                 accumulations.append(stmt.value)
             elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript):
                 accumulations.append(stmt)
@@ -478,7 +419,7 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
     """Names bound in the body are bound before use in each iteration and not read after the loop
     (reads in the other arm of an `if` that holds the loop never see the loop's bindings)."""
     inside = {id(n) for n in ast.walk(loop)} | _other_arms(fn_def, loop)
-    for node in _walk_function(fn_def):
+    for node in walk_function(fn_def):
         if id(node) in inside:
             continue
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
@@ -492,13 +433,13 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
             raise NotAdaptable(f"line {stmt.lineno}: {name} is read before the loop body binds it")
         if isinstance(stmt, ast.Assign | ast.AnnAssign):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            seen.update(n for t in targets for n in _stored_names(t))
+            seen.update(n for t in targets for n in stored_names(t))
 
 
 def _other_arms(fn_def: ast.FunctionDef, loop: ast.For) -> set[int]:
     """ids of the nodes in the arm of each enclosing `if` that the loop is not in."""
     found: set[int] = set()
-    for node in _walk_function(fn_def):
+    for node in walk_function(fn_def):
         if isinstance(node, ast.If):
             for arm, other in ((node.body, node.orelse), (node.orelse, node.body)):
                 if any(loop is n for stmt in arm for n in ast.walk(stmt)):
@@ -522,6 +463,7 @@ class Plan:
     guards: list[int]  # lines of `if rows.numel() > 0:` guards whose body runs unconditionally
     captures_shapes: bool  # some loop selects tokens with torch.where / nonzero
     captures_scalars: bool = False  # per-expert counts are read as Python numbers (`.tolist()`)
+    kept_guards: tuple[str, ...] = ()  # why guards of loops over the counts stay
 
     def changes_anything(self) -> bool:
         return bool(self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars)
@@ -535,13 +477,18 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     experts whose guard cannot be proved removable keeps it, and its graph break). Guards are
     `if rows.numel() > 0:` around the work and `if rows.shape[0] == 0: continue` before it.
     """
-    fn_def, filename = _function_source(fn)
-    assignments = _assignments(fn_def)
-    loads = [n for n in _walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    loops, guards, captures = [], [], False
-    for node in _walk_function(fn_def):
+    fn_def, filename = function_source(fn)
+    assignments = bindings(fn_def)
+    loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    loops, guards, captures, kept = [], [], False, []
+    for node in walk_function(fn_def):
         if not isinstance(node, ast.For):
             continue
+        try:
+            guards.extend(count_loop_guards(node, assignments, fn_def))
+        except NotAdaptable as exc:
+            kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
+            log.info("guard of the loop over the counts kept: %s", exc)
         selects = _selects_tokens(node)
         captures = captures or selects
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
@@ -563,62 +510,13 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         guards.extend(removable)
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
-    return fn_def, filename, Plan(loops, guards, captures, _reads_counts_as_numbers(fn_def, assignments))
-
-
-# Per-expert counts of a fixed length (E): `bincount` is not one (its length is data-dependent, which
-# `.tolist()` cannot keep symbolic), so it is not recognised.
-_COUNTS = {"histc"}
-
-
-def _is_count(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset()) -> bool:
-    """Per-expert counts: `M.sum(0)` (a reduction over the tokens) or `histc(...)`, through
-    view-like methods and names whose every binding is such a count (or the name's own `.tolist()`)."""
-    while True:
-        if isinstance(expr, ast.Name):
-            bound = assignments.get(expr.id, [])
-            if expr.id in seen or not bound or not all(isinstance(b, ast.Assign) for b in bound):
-                return expr.id in seen
-            return all(
-                _is_count(b.value, assignments, seen | {expr.id}) or _tolist_of(b.value) == expr.id for b in bound
-            )
-        name = _call_name(expr)
-        if name in _COUNTS:
-            return True
-        if name == "sum" and isinstance(expr.func, ast.Attribute) and _reduced_dims_include_zero(expr):
-            return True
-        if name in _VIEW_METHODS | {"cpu"} and isinstance(expr.func, ast.Attribute):
-            expr = expr.func.value
-            continue
-        return False
-
-
-def _reduced_dims_include_zero(call: ast.Call) -> bool:
-    dim = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "dim"), None)
-    return isinstance(dim, ast.Constant) and dim.value == 0
-
-
-def _tolist_of(expr: ast.AST) -> str | None:
-    """N for `N.tolist()`."""
-    if _call_name(expr) == "tolist" and isinstance(expr.func.value, ast.Name) and not expr.args:
-        return expr.func.value.id
-    return None
-
-
-def _reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict) -> bool:
-    """Some `counts.tolist()` turns per-expert counts into Python ints (GraniteMoE's and JetMoE's split
-    sizes): dynamo can keep them symbolic (unbacked) instead of breaking the graph there."""
-    for node in _walk_function(fn_def):
-        receiver = _tolist_of(node)
-        if receiver is not None and _is_count(ast.Name(receiver, ast.Load()), assignments):
-            return True
-    return False
+    return fn_def, filename, Plan(loops, guards, captures, reads_counts_as_numbers(fn_def, assignments), tuple(kept))
 
 
 def _selects_tokens(loop: ast.For) -> bool:
     """The loop calls `torch.where(x)` (one argument) or `.nonzero(...)`."""
     for inner in ast.walk(loop):
-        name = _call_name(inner)
+        name = call_name(inner)
         if name == "nonzero" or (name == "where" and len(inner.args) == 1 and not inner.keywords):
             return True
     return False
@@ -893,6 +791,9 @@ def _helpers_namespace() -> types.SimpleNamespace:
 # Recognition, cached per class
 
 _DECISIONS: dict[tuple[type, str], types.FunctionType | str] = {}
+_KEPT_GUARDS: dict[tuple[type, str], list[str]] = {}  # adapted methods whose count-loop guards stay
+# Names a method with an expert loop or per-expert counts calls (a cheap filter before parsing it).
+_SIGNS = {"nonzero", "where", "tolist", "histc", "argsort", "sort"}
 
 
 def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
@@ -904,7 +805,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         code = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or not {"nonzero", "where", "tolist"} & set(code.co_names):
+        if not isinstance(fn, types.FunctionType) or not _SIGNS & set(code.co_names):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn)
         if traced is not None:
@@ -926,6 +827,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType 
                 raise NotAdaptable(f"{name} is wrapped by a decorator")
             fn_def, filename, plan = analyse(fn)
             _DECISIONS[key] = rewrite(fn, fn_def, filename, plan) if plan.changes_anything() else "nothing to adapt"
+            _KEPT_GUARDS.update({key: [f"{where}: {reason}" for reason in plan.kept_guards]} if plan.kept_guards else {})
         except NotAdaptable as exc:
             _DECISIONS[key] = f"{where}: {exc}"
             log.info("expert loop not adapted: %s", _DECISIONS[key])
@@ -937,22 +839,26 @@ def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType 
 
 
 def declined_at(locations) -> list[str]:
-    """Reasons for the classes left as written whose forward holds one of `locations` ("file:line")."""
+    """Reasons for the code left as written (classes not adapted, guards kept) in methods that hold one
+    of `locations` ("file:line")."""
     wanted = set()
     for location in locations:
         path, _, line = location.rpartition(":")
         if line.isdigit():
             wanted.add((os.path.realpath(path), int(line)))
     found = []
-    for (cls, name), reason in _DECISIONS.items():
+    for (cls, name), decision in _DECISIONS.items():
+        reasons = _KEPT_GUARDS.get((cls, name), [])
+        if isinstance(decision, str) and decision != "nothing to adapt":
+            reasons = [decision, *reasons]
         code = getattr(cls.__dict__.get(name), "__code__", None)
         code = getattr(getattr(cls.__dict__.get(name), "__moe_passes_original__", None), "__code__", code)
-        if not isinstance(reason, str) or reason == "nothing to adapt" or code is None:
+        if not reasons or code is None:
             continue
         path = os.path.realpath(code.co_filename)
         lines = {line for _, _, line in code.co_lines() if line is not None}
         if any(p == path and line in lines for p, line in wanted):
-            found.append(reason)
+            found.extend(reasons)
     return found
 
 

@@ -13,15 +13,16 @@ works row by row, so segment e of its output is the activation of segment e of i
 
 Why this is the kernel's sum over each token's k experts: `perm` sorts the flat ids ascending, so the
 slots routed to expert e form one run of the sorted order, of length n_e; segment e is exactly that run
-when the segment sizes are the per-expert counts in expert order (checked symbolically: the split sizes
-are the counts n_0..n_{E-1}, or a slice runs from n_0 + ... + n_{e-1} for n_e rows), and the counts are
-checked on probe routings (the count tensor evaluated from the ids). Each slot's output then goes back to
-its token with its weight.
+when it runs from n_0 + ... + n_{e-1} for n_e rows. The segment bounds (split sizes, slice starts and
+ends: `.tolist()` or `.item()` reads of counts, running sums, cumsum offsets) are evaluated from the ids
+on probe routings and compared with those runs. Each slot's output then goes back to its token with
+its weight.
 """
 
 from __future__ import annotations
 
-import sympy
+import dataclasses
+
 import torch
 from torch.fx import Node
 
@@ -45,70 +46,75 @@ FORM = "segments"
 
 
 def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    counts = _count_symbols(graph)
     results = []
     for node in graph.find_nodes(op="call_function", target=aten.cat.default):
         pieces = node.args[0]
         if len(pieces) >= 2 and (len(node.args) < 2 or node.args[1] == 0) and _combined(node) is not None:
-            results.append(match_at(node, counts))
+            results.append(match_at(node))
     return results
 
 
 # ---------------------------------------------------------------------------------------------------
-# Counts and segments
+# Segments and their bounds
 
 
-def _count_symbols(graph: torch.fx.Graph) -> dict[Node, list[Node | None]]:
-    """{count tensor C: [node reading C[e] as a SymInt, for e = 0..]} for `C[e].item()` reads."""
-    found: dict[Node, dict[int, Node]] = {}
-    for node in graph.find_nodes(op="call_function", target=aten._local_scalar_dense.default):
-        element = node.args[0]
-        if is_call(element, aten.select.int) and element.args[1] == 0 and isinstance(element.args[2], int):
-            found.setdefault(element.args[0], {})[element.args[2]] = node
-    return {c: [by_index.get(e) for e in range(max(by_index) + 1)] for c, by_index in found.items()}
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """rows[start : end], each bound a sum of ints and scalar nodes (read on probes, never assumed)."""
+
+    rows: Node
+    start: tuple
+    end: tuple
 
 
-def _expr(value) -> sympy.Expr | None:
-    value = value.meta.get("val") if isinstance(value, Node) else value
-    if isinstance(value, torch.SymInt):
-        return value.node.expr
-    return sympy.Integer(value) if isinstance(value, int) else None
-
-
-def _segment(node: Node, sizes: list[sympy.Expr]) -> tuple[Node, int] | None:
-    """(rows, e) when `node` is segment e of `rows` cut by the sizes: getitem e of split_with_sizes
-    with exactly these sizes, or rows[sum(sizes[:e]) : sum(sizes[:e + 1])]."""
+def _segment(node: Node) -> Segment | None:
+    """`node` as a cut of some rows: getitem e of split_with_sizes(rows, sizes) along dim 0, or
+    rows[start:end] (step 1)."""
     if is_getitem(node) and is_call(node.args[0], aten.split_with_sizes.default):
         split, e = node.args[0], node.args[1]
         dim = split.args[2] if len(split.args) > 2 else 0
-        if dim == 0 and [_expr(s) for s in split.args[1]] == sizes:
-            return split.args[0], e
-        return None
-    if is_call(node, aten.slice.Tensor) and node.args[1] == 0 and len(node.args) >= 4:
-        start, end = _expr(node.args[2]), _expr(node.args[3])
+        sizes = tuple(split.args[1])
+        return Segment(split.args[0], sizes[:e], sizes[: e + 1]) if dim == 0 else None
+    if is_call(node, aten.slice.Tensor) and node.args[1] == 0:
         step = node.args[4] if len(node.args) > 4 else 1
-        for e in range(len(sizes)):
-            begin = sum(sizes[:e], sympy.Integer(0))
-            if step == 1 and start is not None and end is not None:
-                if sympy.expand(start - begin) == 0 and sympy.expand(end - begin - sizes[e]) == 0:
-                    return node.args[0], e
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = node.args[3] if len(node.args) > 3 else None
+        return Segment(node.args[0], (start,), (end,)) if step == 1 else None
     return None
 
 
-def _counts_of(counts: Node, ids: Node, experts: int) -> str | None:
-    """None when `counts` evaluates to the number of slots routed to each expert, for probe routings."""
+def _segments_are_runs(segments: list[tuple[int, Segment]], ids: Node, experts: int) -> str | None:
+    """None when, on probe routings, segment e is exactly the run of sorted slots routed to expert e.
+
+    The bounds (split sizes, slice starts and ends: `.tolist()` / `.item()` reads of counts, running
+    sums, cumsum offsets, however they are spelled) are evaluated from the ids; the runs follow from
+    the counts, since the slots are sorted by expert.
+    """
     tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
-    nodes = probe.slice_between(counts, {ids})
+    scalars = [t for _, s in segments for t in (*s.start, *s.end) if isinstance(t, Node)]
+    nodes = probe.slice_between(scalars, {ids}) if scalars else []
     if any(n.op in ("placeholder", "get_attr") for n in nodes):
-        return "the segment sizes are not counted from the routing ids the rows are sorted by"
+        return "the segment bounds are not computed from the routing ids the rows are sorted by"
     try:
         for probe_ids, _ in probe.routing_probes(tokens, top_k, experts, torch.float32):
-            value = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)})[counts]
-            if not torch.equal(value.long(), torch.bincount(probe_ids.view(-1), minlength=experts)):
-                return "the segment sizes are not the number of slots routed to each expert"
+            env = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)}, probe.OFFSET_OPS)
+            ends = torch.bincount(probe_ids.view(-1), minlength=experts).cumsum(0).tolist()
+            for e, segment in segments:
+                bounds = (_bound(segment.start, env, tokens * top_k), _bound(segment.end, env, tokens * top_k))
+                if bounds != ((ends[e - 1] if e else 0), ends[e]):
+                    return f"expert {e}'s segment is not the run of sorted slots routed to it (on a probe routing)"
     except probe.NotProbeable as why:
-        return f"the segment sizes are computed with ops the finder cannot check ({why})"
+        return f"the segment bounds are computed with ops the finder cannot check ({why})"
     return None
+
+
+def _bound(terms: tuple, env: dict, length: int) -> int:
+    """The sum of `terms` as a slice bound into `length` rows (None: the end; clamped as slicing does)."""
+    if len(terms) == 1 and terms[0] is None:
+        return length
+    value = sum(int(env[t]) if isinstance(t, Node) else int(t) for t in terms)
+    value = value + length if value < 0 else value
+    return min(max(value, 0), length)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,7 +153,7 @@ def _token_of_slot(node: Node, perm: Node, top_k: int) -> bool:
 
 def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
     """(how, output, perm, slot weights, token index) of the way `cat`'s rows go back to the tokens."""
-    users = [u for u in cat.users if not is_call(u, *METADATA_ONLY_OPS)]  # empty_like(y) reads no value
+    users = [u for u in cat.users if not is_call(u, *METADATA_ONLY_OPS)]  # empty_like(y), sizes: no values
     if len(users) != 1:
         return None
     user = users[0]
@@ -173,70 +179,66 @@ def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
 # The experts, segment by segment
 
 
-def _segment_term(piece: Node, e: int, sizes: list, rows: list[Node]) -> ExpertTerm | str:
-    """Expert e's MLP on segment e: the whole MLP on the segment, or cut and re-joined around the act."""
+def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, Segment]]) -> ExpertTerm | str:
+    """Expert e's MLP on one segment: the whole MLP on the segment, or cut and re-joined around the act
+    ((e, segment) is appended to `segments` for each cut, the input's first; which rows each cut takes
+    is checked on probes)."""
     term = read_term(piece)
     if term is not None and term.coefficient is None and term.input_scaled_by is None:
-        segment = _segment(strip_shape_ops(term.hidden), sizes)
-        if segment is None or segment[1] != e:
-            return f"expert {e}'s input is not segment {e} of the sorted rows"
-        rows.append(segment[0])
+        segment = _segment(strip_shape_ops(term.hidden))
+        if segment is None:
+            return f"expert {e}'s input is not a segment of the sorted rows"
+        segments.append((e, segment))
         return term
     down = projection(piece)
-    joined = _segment(down.input, sizes) if down is not None else None
-    if joined is None or joined[1] != e:
-        return f"expert {e}'s output is not a gated MLP of segment {e} of the sorted rows"
-    product = gated_product(joined[0])
+    joined = _segment(down.input) if down is not None else None
+    if joined is None:
+        return f"expert {e}'s output is not a gated MLP of a segment of the sorted rows"
+    product = gated_product(joined.rows)
     split = halves(product.gate, product.up) if product is not None else None
-    if split is None or not is_call(split[0], aten.cat.default) or len(split[0].args[0]) != len(sizes):
-        found = getattr(joined[0].target, "__name__", str(joined[0].target))
+    if split is None or not is_call(split[0], aten.cat.default) or len(split[0].args[0]) != experts:
+        found = getattr(joined.rows.target, "__name__", str(joined.rows.target))
         return (
             f"between the cut projections sits {found}, not act(gate) * up of joined segments (the experts "
             "are not gated MLPs: e.g. JetMoE's mixture of attention heads)"
         )
     gate_up = projection(split[0].args[0][e])
-    segment = _segment(gate_up.input, sizes) if gate_up is not None else None
-    if segment is None or segment[1] != e:
-        return f"expert {e}'s gate/up input is not segment {e} of the sorted rows"
-    rows.append(segment[0])
+    segment = _segment(gate_up.input) if gate_up is not None else None
+    if segment is None:
+        return f"expert {e}'s gate/up input is not a segment of the sorted rows"
+    segments.extend([(e, segment), (e, joined)])
     activation, desc = activation_of(product.activation_node)
-    return ExpertTerm(piece, piece, None, segment[0], activation, desc, gate_up, None, None, down)
+    return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
 
 
-def _sizes(cat: Node) -> list | None:
-    """The symbolic segment sizes: the rows of each piece of `cat`."""
-    sizes = [_expr(shape(p)[0]) if shape(p) else None for p in cat.args[0]]
-    return None if any(s is None for s in sizes) else sizes
-
-
-def match_at(cat: Node, counts: dict[Node, list[Node | None]]) -> ExpertsMatch | Decline:
+def match_at(cat: Node) -> ExpertsMatch | Decline:
     how, output, perm, slot_weights, token_index = _combined(cat)
 
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, output, at)
 
-    sizes = _sizes(cat)
-    if sizes is None:
-        return no("the expert outputs' row counts are not known symbolically", cat)
-    rows: list[Node] = []
+    segments: list[tuple[int, Segment]] = []
     terms = []
+    inputs: list[Node] = []  # the rows each expert's input segment is cut from
     for e, piece in enumerate(cat.args[0]):
-        term = _segment_term(piece, e, sizes, rows)
+        first = len(segments)
+        term = _segment_term(piece, e, len(cat.args[0]), segments)
         if isinstance(term, str):
             return no(term, piece)
         terms.append(term)
+        inputs.append(segments[first][1].rows)
     flat = _sort_permutation(perm)
     ids = _slot_ids(flat) if flat is not None else None
     if ids is None:
         return no("the rows are not ordered by sorting the flat expert ids", perm)
     top_k, experts = const_int(shape(ids)[1]), len(terms)
-    sorted_rows = strip_shape_ops(rows[0])
-    if any(strip_shape_ops(r) is not sorted_rows for r in rows) or not is_call(sorted_rows, aten.index.Tensor):
-        return no("the experts do not read segments of one gather of the hidden states", rows[0])
+    sorted_rows = strip_shape_ops(inputs[0])
+    if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or not is_call(sorted_rows, aten.index.Tensor):
+        return no("the experts do not read segments of one gather of the hidden states", inputs[0])
     hidden, (row_tokens,) = sorted_rows.args[0], sorted_rows.args[1]
     if not _token_of_slot(row_tokens, perm, top_k):
         return no("the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows)
-    reason = _sizes_are_counts(sizes, counts, ids, experts)
+    reason = _segments_are_runs(segments, ids, experts)
     if reason is not None:
         return no(reason, cat)
     if how == "index_add":
@@ -250,13 +252,6 @@ def match_at(cat: Node, counts: dict[Node, list[Node | None]]) -> ExpertsMatch |
     return _match(output, terms, hidden, ids, weights, top_k, no)
 
 
-def _sizes_are_counts(sizes: list, counts: dict, ids: Node, experts: int) -> str | None:
-    for count_tensor, reads in counts.items():
-        if len(reads) == experts and all(r is not None for r in reads) and [_expr(r) for r in reads] == sizes:
-            return _counts_of(count_tensor, ids, experts)
-    return "the segment sizes are not the elements of one per-expert count tensor in expert order"
-
-
 def _slot_weights(gathered_from: Node, top_k: int) -> Node | None:
     """w [T, k] when `gathered_from` is w.view(-1)."""
     weights = strip_shape_ops(strip_casts(gathered_from))
@@ -265,24 +260,32 @@ def _slot_weights(gathered_from: Node, top_k: int) -> Node | None:
 
 
 def _unpermuted_sum(put: Node, top_k: int) -> tuple[Node | None, Node | None]:
-    """(output, w) for (put.view(T, k, H) * w[..., None]).sum(1), casts allowed."""
-    node, users = put, list(put.users)
-    while len(users) == 1 and (is_call(users[0], *_VIEWS) or is_cast(users[0])):
-        node, users = users[0], list(users[0].users)
+    """(output, w) for (put.view(T, k, H) * w[..., None]).sum(1), casts and re-views allowed."""
+    node = _through_views(put)
+    users = list(node.users)
     if len(users) != 1 or not is_call(users[0], aten.mul.Tensor) or len(shape(node) or ()) != 3:
         return None, None
     product = users[0]
     scale = product.args[1] if product.args[0] is node else product.args[0]
     weights = strip_shape_ops(strip_casts(scale))
-    summed = list(product.users)
-    if const_int(shape(node)[1]) != top_k or len(summed) != 1 or not is_call(summed[0], aten.sum.dim_IntList):
+    summed = _through_views(product)  # an in-place mul_ on a view comes back viewed to [T, k, H]
+    if const_int(shape(node)[1]) != top_k or shape(summed) != shape(product) or len(summed.users) != 1:
         return None, None
-    if list(summed[0].args[1]) not in ([1], [-2]) or shape(weights) is None or len(shape(weights)) != 2:
+    total = next(iter(summed.users))
+    if not is_call(total, aten.sum.dim_IntList) or list(total.args[1]) not in ([1], [-2]):
         return None, None
-    output = summed[0]
-    if len(output.users) == 1 and is_cast(next(iter(output.users))):
-        output = next(iter(output.users))
-    return output, weights
+    if shape(weights) is None or len(shape(weights)) != 2:
+        return None, None
+    if len(total.users) == 1 and is_cast(next(iter(total.users))):
+        total = next(iter(total.users))
+    return total, weights
+
+
+def _through_views(node: Node) -> Node:
+    """Follow `node`'s single users while they only view or cast it."""
+    while len(node.users) == 1 and (is_call(next(iter(node.users)), *_VIEWS) or is_cast(next(iter(node.users)))):
+        node = next(iter(node.users))
+    return node
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -55,6 +55,21 @@ PROBE_OPS = (
 )
 
 
+# Offsets from counts (running sums, cumsum, a leading zero) and their reads as numbers: segment bounds.
+# Kept apart from PROBE_OPS, whose integer ops also mark where routing masks begin.
+OFFSET_OPS = frozenset(
+    {
+        aten.cumsum.default,
+        aten.cat.default,
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten._local_scalar_dense.default,
+        operator.add,
+        operator.sub,
+    }
+)
+
+
 class NotProbeable(Exception):
     """The sub-graph uses an op outside the probe set (so the finder cannot vouch for it)."""
 
@@ -81,13 +96,14 @@ def _concrete_args(args, env: dict):
     return torch.utils._pytree.tree_map(_concrete, mapped)
 
 
-def evaluate(nodes: list[Node], env: dict) -> dict:
+def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset()) -> dict:
     """Run `nodes` (in graph order) with `env` holding the values of their inputs."""
     env = dict(env)
     for node in nodes:
         if node in env:
             continue
-        if node.op != "call_function" or (node.target not in PROBE_OPS and not is_cast(node)):
+        allowed = node.target in PROBE_OPS or node.target in extra_ops or is_cast(node)
+        if node.op != "call_function" or not allowed:
             raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
         kwargs = dict(_concrete_args(node.kwargs, env))
         if "device" in kwargs:  # factory ops: probes run on the CPU whatever device was traced

@@ -1,0 +1,86 @@
+"""Reading a method's source for the loop adapters: the parsed definition and small AST queries."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+# Methods that view, cast or copy a tensor without changing which values it holds where.
+VIEW_METHODS = {"permute", "transpose", "view", "reshape", "contiguous", "to", "int", "long", "bool", "float"}
+
+
+class NotAdaptable(Exception):
+    """The source does not prove the loop equivalent; the message names the construct and its line."""
+
+
+def function_source(fn) -> tuple[ast.FunctionDef, str]:
+    """The function's definition (line numbers as in its file) and the file's name."""
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
+    except (OSError, TypeError) as exc:
+        raise NotAdaptable(f"source of {fn.__qualname__} is not available ({exc})") from None
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    fn_def = tree.body[0]
+    if not isinstance(fn_def, ast.FunctionDef):
+        raise NotAdaptable(f"{fn.__qualname__} is not a plain function definition")
+    ast.increment_lineno(tree, first - 1)
+    return fn_def, filename
+
+
+def walk_function(fn_def: ast.FunctionDef):
+    """Nodes of the function body, not descending into nested functions, lambdas or classes."""
+    stack = list(fn_def.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+                stack.append(child)
+
+
+def stored_names(target: ast.AST) -> list[str]:
+    """The names an assignment target binds; NotAdaptable for attribute or subscript targets."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Tuple | ast.List):
+        return [n for element in target.elts for n in stored_names(element)]
+    if isinstance(target, ast.Starred):
+        return stored_names(target.value)
+    raise NotAdaptable(f"line {target.lineno}: assignment to {ast.dump(target)[:40]} (only names allowed)")
+
+
+def bindings(fn_def: ast.FunctionDef) -> dict[str, list[ast.AST]]:
+    """{name: every statement of the function that binds it}."""
+    found: dict[str, list[ast.AST]] = {}
+    for node in walk_function(fn_def):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in names_in_target(target):
+                    found.setdefault(name, []).append(node)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.For | ast.With | ast.NamedExpr):
+            targets = [node.target] if not isinstance(node, ast.With) else [
+                item.optional_vars for item in node.items if item.optional_vars is not None
+            ]
+            for target in targets:
+                for name in names_in_target(target):
+                    found.setdefault(name, []).append(node)
+    return found
+
+
+def names_in_target(target: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+
+
+def call_name(call: ast.AST) -> str | None:
+    """`torch.nn.functional.one_hot(...)` -> "one_hot"; `x.nonzero()` -> "nonzero"."""
+    if not isinstance(call, ast.Call):
+        return None
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def loads(node: ast.AST) -> set[str]:
+    """Names read anywhere in `node`."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
