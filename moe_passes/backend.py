@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from . import lowering
 from .adapters import install_discovery_hook
+from .adapters.hit_expert_loops import switched_settings_for_this_compile
 from .ir import carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes import already_fused
@@ -181,7 +182,7 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
     if graph is gm:
         with _timed(record, "inner compile"):
-            return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
+            return _compile_captured(compiler, opts.inner, gm, example_inputs, mode, record)
     try:
         with _timed(record, "inner compile"):
             return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
@@ -198,6 +199,25 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         record.rewritten = None
         warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
         return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
+
+
+def _compile_captured(compiler, inner, gm, example_inputs, mode, record: GraphRecord):
+    """The inner backend on the graph as captured. Where an expert-loop adapter had dynamo keep
+    data-dependent values symbolic for this compile (a graph plain dynamo would have split) and the
+    inner backend cannot compile that graph, it runs uncompiled rather than failing the user's compile."""
+    try:
+        return _compile_inner(compiler, inner, gm, example_inputs, mode)
+    except Exception as error:  # noqa: BLE001 - re-raised unless this package's setting caused the graph
+        switched = switched_settings_for_this_compile()
+        if not switched:
+            raise
+        record.fallback = (
+            f"the inner backend could not compile the graph captured with {', '.join(switched)} (switched on by "
+            f"the expert-loop adapter); it runs uncompiled: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}"
+        )
+        warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
+        return gm.forward
 
 
 def _compile_inner(compiler, inner, graph, example_inputs, mode):

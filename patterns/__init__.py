@@ -30,6 +30,7 @@ FORMS = (
     "gpt_oss4_dense_bmm",
     "granite4_segments",
     "deepseek_v2_count_loop",
+    "aria4_offset_segments",
     "expert_parallel_sparse_loop",
     "near_miss_input_scaled",
     "near_miss_mixed_activation",

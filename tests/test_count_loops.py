@@ -12,6 +12,7 @@ import torch
 
 from moe_passes.adapters import hit_expert_loops
 from patterns import catalog
+from patterns.aria4_offset_segments import OffsetExperts, offset_matmul
 from patterns.deepseek_v2_count_loop import CountLoopMoE
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
@@ -119,3 +120,24 @@ def test_kept_guard_is_reported_at_its_graph_break():
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert any("read other than by torch.cat" in advice for advice in report.advice), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class UngatedOffsetExperts(OffsetExperts):
+    """fc1's whole output through the activation: not a gated MLP, so the block is declined."""
+
+    def forward(self, rows, counts):
+        hidden = offset_matmul(rows, self.fc1, counts)
+        return offset_matmul(self.activation(hidden[:, : self.fc2.shape[1]]), self.fc2, counts)
+
+
+def test_counts_handed_to_the_experts_are_captured_and_a_declined_block_still_compiles():
+    """Aria-style: the counts go to a submodule that slices at their offsets. The adapter has them kept
+    symbolic (one graph); when the block is then declined, inductor gets a graph with data-dependent
+    slices, and the user's compile must still give eager's numbers (compiled, or run uncompiled)."""
+    model, inputs = catalog()["aria4_offset_segments"].build(layers=1)
+    model.moes[0].experts.__class__ = UngatedOffsetExperts
+    report, output, recorder = run_hpu_moe(model, inputs, inner="inductor")
+    assert report.graph_break_count == 0 and not report.fused, str(report)
+    assert len(report.declined) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    assert not torch._dynamo.config.capture_scalar_outputs

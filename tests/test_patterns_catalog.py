@@ -14,6 +14,7 @@ import torch
 from patterns import Expected, catalog, dynamo_config
 from patterns._common import Router
 from patterns._gpt_oss4 import GptOss4Router
+from patterns.aria4_offset_segments import OffsetRouter
 from patterns.granite4_segments import SegmentGate
 from patterns.near_miss_llama4_dense_bmm import Llama4Router
 from tests.helpers import dynamo_breaks_on_tolist
@@ -53,7 +54,7 @@ def routing_of(model, inputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
             out = (values.softmax(dim=1), ids)
         seen.append(out)
 
-    routers = (Router, Llama4Router, GptOss4Router, SegmentGate)
+    routers = (Router, Llama4Router, GptOss4Router, SegmentGate, OffsetRouter)
     hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, routers)]
     run(model, inputs)
     for hook in hooks:
@@ -89,6 +90,7 @@ def test_catalog_lists_the_forms_in_a_stable_order():
     "gpt_oss4_dense_bmm",
     "granite4_segments",
     "deepseek_v2_count_loop",
+    "aria4_offset_segments",
     "expert_parallel_sparse_loop",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",

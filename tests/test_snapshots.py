@@ -191,6 +191,24 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7):
   %7 = moe_passes.mixture_of_experts(%1, %4, %6, [in2, in3], [in4, in5], [in6, in7], True, 'silu', 0, 1)""",
         )
 
+    def test_aria4_offset_segments(self):
+        """Cumsum offsets, outputs written over their rows twice around silu(first) * second: one
+        `fused_weights` call on the stacked [E, in, out] fc1 and fc2."""
+        self.assertExpectedInline(
+            format_fused_calls(rewritten_graph("aria4_offset_segments", num_experts=2)),
+            """\
+graph(in0, in1, in2, in3):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2, 1)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten._softmax(%3, -1, False)
+  %6 = aten.unbind.int(in2, 0)
+  %7 = aten.unbind.int(in3, 0)
+  %8 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %5, %6[0:2], %7[0:2], False, 'silu', 0, 1)""",
+        )
+
     def test_mixtral4_sparse_loop_passes_w3_as_up_and_w2_as_down(self):
         """Mixtral's w1/w3/w2 reach the kernel as w1 (gate), w2 (up), w3 (down): roles, not names."""
         model, inputs = catalog()["mixtral4_sparse_loop"].build(layers=1, num_experts=2)

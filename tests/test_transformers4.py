@@ -30,8 +30,8 @@ GPT_OSS = ["gpt_oss"]
 # Sorted rows cut into per-expert segments with sizes from `.tolist()` (scalar capture switched on by the
 # adapter); JetMoE's mixture-of-attention-heads experts are not gated MLPs and stay declined.
 # DeepSeek-V2: a loop over the counts with `if n == 0: continue` (removed by the adapter), tensor-bounded
-# slices.
-SEGMENT_FAMILIES = ["granitemoe", "granitemoeshared", "jetmoe", "deepseek_v2"]
+# slices. Aria: cumsum offsets in a submodule, outputs written over their rows (slice_scatter).
+SEGMENT_FAMILIES = ["granitemoe", "granitemoeshared", "jetmoe", "deepseek_v2", "aria"]
 # 4.57 text models of multimodal families (their tiny configs need 4.x M-RoPE sections).
 MULTIMODAL_TEXT_FAMILIES = ["qwen3_vl_moe", "qwen3_omni_moe"]
 

@@ -32,6 +32,12 @@ expert's rows are empty (`if rows.numel() > 0:` around it, `if rows.shape[0] == 
 a data-dependent branch that breaks the graph) is removed when the guarded work is that one
 accumulation at those same rows, which adds nothing for empty rows.
 
+Loops over per-expert counts (`for i, n in enumerate(counts): if n == 0: continue`, DeepSeek-V2 4.x)
+lose that guard when `count_loops` proves it removable, and methods that read per-expert counts as
+numbers (`.tolist()`, such a loop, or the counts handed to a submodule) have `capture_scalar_outputs`
+switched on for the compile. Where the inner backend cannot compile a graph captured that way and no MoE
+was fused in it, the backend runs that graph uncompiled instead of failing the compile.
+
 `torch.where(M[e])` has a data-dependent size: while the adapted method is traced (any method of the
 class, e.g. DeepSeek-V3's `moe`), dynamo's `capture_dynamic_output_shape_ops` is turned on for that
 compile (and restored when it ends), so the loop becomes one graph that the sparse-loop finder fuses.
@@ -761,6 +767,11 @@ def _switch_on_for_this_compile(flag: str, setting: str) -> bool:
 
 
 _SWITCHED_FLAGS: set[str] = set()
+
+
+def switched_settings_for_this_compile() -> tuple[str, ...]:
+    """The dynamo flags an adapted method switched on for the compile in progress."""
+    return tuple(sorted(_SWITCHED_FLAGS))
 
 
 def _restore_switched_flags(*_args) -> None:

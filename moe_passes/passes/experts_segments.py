@@ -47,11 +47,41 @@ FORM = "segments"
 
 def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
     results = []
-    for node in graph.find_nodes(op="call_function", target=aten.cat.default):
-        pieces = node.args[0]
-        if len(pieces) >= 2 and (len(node.args) < 2 or node.args[1] == 0) and _combined(node) is not None:
-            results.append(match_at(node))
+    for node in graph.nodes:
+        join = _joined(node)
+        if join is not None and len(join.pieces) >= 2 and _combined(node) is not None:
+            results.append(match_at(join))
     return results
+
+
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """Per-expert outputs put together in row order: `cat(pieces)`, or each piece written over its rows
+    of a zeros buffer (`out[s_e:t_e] = piece_e`, Aria: slice_scatter in the IR; where each lands is a
+    segment, checked on probes like the inputs)."""
+
+    node: Node
+    pieces: tuple[Node, ...]
+    placed: tuple  # the Segment each piece is written to; empty for cat (consecutive by construction)
+
+
+def _joined(node: Node) -> Join | None:
+    if is_call(node, aten.cat.default) and (len(node.args) < 2 or node.args[1] == 0):
+        return Join(node, tuple(node.args[0]), ())
+    pieces, placed, buffer = [], [], node
+    while is_call(buffer, aten.slice_scatter.default) and len(buffer.args) >= 5 and buffer.args[2] == 0:
+        step = buffer.args[5] if len(buffer.args) > 5 else 1
+        value = buffer.args[1]
+        if step != 1 or (buffer is not node and not _read_only_to_overwrite(buffer)):
+            return None
+        if is_call(value, aten.copy.default):  # out[s:t] = piece: piece broadcast into the slice
+            value = value.args[1]
+        pieces.append(strip_shape_ops(strip_casts(value)))
+        placed.append(Segment(buffer.args[0], (buffer.args[3],), (buffer.args[4],)))
+        buffer = buffer.args[0]
+    if not pieces or not is_zero_init(buffer):
+        return None
+    return Join(node, tuple(reversed(pieces)), tuple(reversed(placed)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -65,6 +95,19 @@ class Segment:
     rows: Node
     start: tuple
     end: tuple
+
+
+def _read_only_to_overwrite(buffer: Node) -> bool:
+    """An intermediate buffer of the writes: read by the next write, and by slices only copied over."""
+    for user in buffer.users:
+        if is_call(user, aten.slice_scatter.default) and user.args[0] is buffer:
+            continue
+        if is_call(user, aten.slice.Tensor) and all(
+            (is_call(c, aten.copy.default) and c.args[0] is user) or is_call(c, *METADATA_ONLY_OPS) for c in user.users
+        ):
+            continue
+        return False
+    return True
 
 
 def _segment(node: Node) -> Segment | None:
@@ -172,6 +215,8 @@ def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
     if is_call(user, aten.index_put.default) and user.args[2] is cat and len(user.args[1]) == 1 and not accumulates:
         # out[perm] = y with perm a permutation of every row: all rows overwritten (DeepSeek-V2's combine)
         return "unpermute", user, user.args[1][0], None, None
+    if is_call(user, aten.index_copy.default) and user.args[1] == 0 and user.args[3] is cat:
+        return "unpermute", user, user.args[2], None, None  # Aria's index_copy_(0, perm, y)
     return None
 
 
@@ -196,22 +241,24 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
         return f"expert {e}'s output is not a gated MLP of a segment of the sorted rows"
     product = gated_product(joined.rows)
     split = halves(product.gate, product.up) if product is not None else None
-    if split is None or not is_call(split[0], aten.cat.default) or len(split[0].args[0]) != experts:
+    inner = _joined(split[0]) if split is not None else None
+    if inner is None or len(inner.pieces) != experts:
         found = getattr(joined.rows.target, "__name__", str(joined.rows.target))
         return (
             f"between the cut projections sits {found}, not act(gate) * up of joined segments (the experts "
             "are not gated MLPs: e.g. JetMoE's mixture of attention heads)"
         )
-    gate_up = projection(split[0].args[0][e])
+    gate_up = projection(inner.pieces[e])
     segment = _segment(gate_up.input) if gate_up is not None else None
     if segment is None:
         return f"expert {e}'s gate/up input is not a segment of the sorted rows"
-    segments.extend([(e, segment), (e, joined)])
+    segments.extend([(e, segment), (e, joined)] + ([(e, inner.placed[e])] if inner.placed else []))
     activation, desc = activation_of(product.activation_node)
     return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
 
 
-def match_at(cat: Node) -> ExpertsMatch | Decline:
+def match_at(join: Join) -> ExpertsMatch | Decline:
+    cat = join.node
     how, output, perm, slot_weights, token_index = _combined(cat)
 
     def no(reason: str, at: Node | None = None) -> Decline:
@@ -220,22 +267,25 @@ def match_at(cat: Node) -> ExpertsMatch | Decline:
     segments: list[tuple[int, Segment]] = []
     terms = []
     inputs: list[Node] = []  # the rows each expert's input segment is cut from
-    for e, piece in enumerate(cat.args[0]):
+    for e, piece in enumerate(join.pieces):
         first = len(segments)
-        term = _segment_term(piece, e, len(cat.args[0]), segments)
+        term = _segment_term(piece, e, len(join.pieces), segments)
         if isinstance(term, str):
             return no(term, piece)
         terms.append(term)
         inputs.append(segments[first][1].rows)
+        if join.placed:
+            segments.append((e, join.placed[e]))
     flat = _sort_permutation(perm)
     ids = _slot_ids(flat) if flat is not None else None
     if ids is None:
         return no("the rows are not ordered by sorting the flat expert ids", perm)
     top_k, experts = const_int(shape(ids)[1]), len(terms)
     sorted_rows = strip_shape_ops(inputs[0])
-    if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or not is_call(sorted_rows, aten.index.Tensor):
+    gathered = _gathered_rows(sorted_rows)
+    if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or gathered is None:
         return no("the experts do not read segments of one gather of the hidden states", inputs[0])
-    hidden, (row_tokens,) = sorted_rows.args[0], sorted_rows.args[1]
+    hidden, row_tokens = gathered
     if not _token_of_slot(row_tokens, perm, top_k):
         return no("the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows)
     reason = _segments_are_runs(segments, ids, experts)
@@ -250,6 +300,15 @@ def match_at(cat: Node) -> ExpertsMatch | Decline:
         if output is None:
             return no("the unpermuted outputs are not weighted and summed over the k slots", cat)
     return _match(output, terms, hidden, ids, weights, top_k, no)
+
+
+def _gathered_rows(node: Node) -> tuple[Node, Node] | None:
+    """(x, index) for x[index] or x.index_select(0, index)."""
+    if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1:
+        return node.args[0], node.args[1][0]
+    if is_call(node, aten.index_select.default) and node.args[1] == 0:
+        return node.args[0], node.args[2]
+    return None
 
 
 def _slot_weights(gathered_from: Node, top_k: int) -> Node | None:
