@@ -14,7 +14,12 @@ from moe_passes.adapters import hit_expert_loops
 from patterns import catalog
 from patterns.aria4_offset_segments import OffsetExperts, offset_matmul
 from patterns.deepseek_v2_count_loop import CountLoopMoE
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.helpers import (
+    assert_close_for_dtype,
+    eager_output,
+    run_hpu_moe,
+    skip_unless_dynamo_slices_for,
+)
 
 FORM = catalog()["deepseek_v2_count_loop"]
 
@@ -25,6 +30,7 @@ FORM = catalog()["deepseek_v2_count_loop"]
     ids=["top1", "one_token_unchosen_experts", "one_token_top1"],
 )
 def test_guard_removed_fused_and_equal(overrides):
+    skip_unless_dynamo_slices_for("deepseek_v2_count_loop")
     model, inputs = FORM.build(**overrides)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
@@ -134,6 +140,7 @@ def test_counts_handed_to_the_experts_are_captured_and_a_declined_block_still_co
     """Aria-style: the counts go to a submodule that slices at their offsets. The adapter has them kept
     symbolic (one graph); when the block is then declined, inductor gets a graph with data-dependent
     slices, and the user's compile must still give eager's numbers (compiled, or run uncompiled)."""
+    skip_unless_dynamo_slices_for("aria4_offset_segments")
     model, inputs = catalog()["aria4_offset_segments"].build(layers=1)
     model.moes[0].experts.__class__ = UngatedOffsetExperts
     report, output, recorder = run_hpu_moe(model, inputs, inner="inductor")

@@ -19,6 +19,7 @@ import pytest
 from moe_passes.graph_dump import main
 from moe_passes.graph_dump.html import dot_available, graph_to_dot
 from moe_passes.report import REPORT_KEYS, Report
+from tests.helpers import skip_unless_dynamo_slices_for
 from patterns import FORMS, catalog
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ def check_formats(data: dict, out: Path) -> Report:
 
 @pytest.mark.parametrize("name", FORMS)
 def test_every_catalog_form_in_every_format(name, capsys, tmp_path):
+    skip_unless_dynamo_slices_for(name)
     data, out, _ = dump(capsys, tmp_path, f"patterns:{name}")
     report = check_formats(data, out)
     expected = catalog()[name].EXPECTED

@@ -97,7 +97,8 @@ def test_pip_installing_the_package_keeps_an_installed_gaudi_torch(tmp_path, whe
         [python, "-m", "pip", "install", "--dry-run", "--no-index", "--report", str(report), str(wheel)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull},
+        # PYTHONPATH would show pip a checkout's moe_passes as installed in the fresh environment
+        env={**os.environ, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull, "PYTHONPATH": ""},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     to_install = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]

@@ -18,14 +18,15 @@ premise under which the hit-loop adapter runs an expert no token chose). Appendi
 change is when no slot exists at all (no tokens), where an empty list's `else` value becomes the cat of
 empty outputs. Every other name the body binds lives for one iteration.
 
-Cutting rows with tensor bounds reads the counts as Python numbers: the traced copy has dynamo keep
-them symbolic (`capture_scalar_outputs`) for that compile, as it does wherever per-expert counts are
+Cutting rows with tensor bounds reads the counts as Python numbers: the traced copy reads the offsets it
+cuts at with `.item()` (older dynamo refuses a slice with tensor bounds), and has dynamo keep them symbolic (`capture_scalar_outputs`) for that compile, as it does wherever per-expert counts are
 read as numbers or handed to a submodule that does (`.tolist()` split sizes, Aria's offsets).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 
 from .source_ast import VIEW_METHODS, NotAdaptable, call_name, loads, stored_names, walk_function
 
@@ -130,15 +131,24 @@ def _skips_zero_count(stmt: ast.stmt, n: str) -> bool:
     )
 
 
-def count_loop_guards(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> list[int]:
-    """The line of a proved-removable `if n == 0: continue` at the top of a loop over per-expert counts
-    (empty when the loop is not one). NotAdaptable names what stops the proof."""
+@dataclasses.dataclass(frozen=True)
+class CountLoop:
+    """A loop over per-expert counts whose `if n == 0: continue` (at `guard`) is proved removable."""
+
+    line: int
+    guard: int
+    bounds: frozenset[str]  # the offset names its slices are cut at (read as numbers when traced)
+
+
+def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> CountLoop | None:
+    """The loop as a CountLoop when its guard is proved removable, None when it is not a loop over
+    counts with such a guard; NotAdaptable names what stops the proof."""
     n = _count_variable(loop)
     counts = _counts_iterated(loop)
     if n is None or not isinstance(counts, ast.Name) or not is_count(counts, assignments):
-        return []
+        return None
     if not loop.body or not _skips_zero_count(loop.body[0], n):
-        return []
+        return None
     if loop.orelse:
         raise NotAdaptable(f"line {loop.lineno}: the loop over the counts has an else")
     body = loop.body[1:]
@@ -161,7 +171,7 @@ def count_loop_guards(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef)
                 "running offset and offset + count"
             )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
-    return [loop.body[0].lineno]
+    return CountLoop(loop.lineno, loop.body[0].lineno, frozenset(carried | ends))
 
 
 def _appends_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[tuple[int, str, ast.expr]], set[str]]:

@@ -53,7 +53,7 @@ import types
 
 import torch
 
-from .count_loops import count_loop_guards, reads_counts_as_numbers
+from .count_loops import CountLoop, count_loop, reads_counts_as_numbers
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
@@ -470,6 +470,7 @@ class Plan:
     captures_shapes: bool  # some loop selects tokens with torch.where / nonzero
     captures_scalars: bool = False  # per-expert counts are read as Python numbers (`.tolist()`)
     kept_guards: tuple[str, ...] = ()  # why guards of loops over the counts stay
+    count_loops: tuple[CountLoop, ...] = ()  # loops over the counts whose guard goes
 
     def changes_anything(self) -> bool:
         return bool(self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars)
@@ -486,12 +487,15 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     fn_def, filename = function_source(fn)
     assignments = bindings(fn_def)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    loops, guards, captures, kept = [], [], False, []
+    loops, guards, captures, kept, count_loops = [], [], False, [], []
     for node in walk_function(fn_def):
         if not isinstance(node, ast.For):
             continue
         try:
-            guards.extend(count_loop_guards(node, assignments, fn_def))
+            counted = count_loop(node, assignments, fn_def)
+            if counted is not None:
+                count_loops.append(counted)
+                guards.append(counted.guard)
         except NotAdaptable as exc:
             kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
             log.info("guard of the loop over the counts kept: %s", exc)
@@ -516,7 +520,9 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         guards.extend(removable)
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
-    return fn_def, filename, Plan(loops, guards, captures, reads_counts_as_numbers(fn_def, assignments), tuple(kept))
+    return fn_def, filename, Plan(
+        loops, guards, captures, reads_counts_as_numbers(fn_def, assignments), tuple(kept), tuple(count_loops)
+    )
 
 
 def _selects_tokens(loop: ast.For) -> bool:
@@ -549,6 +555,7 @@ class _Rewrite(ast.NodeTransformer):
         self.by_hit = {loop.hit: loop for loop in plan.hit_loops}
         self.by_line = {loop.line: loop for loop in plan.hit_loops}
         self.guards = set(plan.guards)
+        self.count_loops = {loop.line: loop for loop in plan.count_loops}
 
     def visit_If(self, node: ast.If):
         if node.lineno in self.guards:  # a proved emptiness guard: its body runs unconditionally
@@ -569,6 +576,8 @@ class _Rewrite(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def visit_For(self, node: ast.For):
+        if node.lineno in self.count_loops:
+            node = _NumericBounds(self.count_loops[node.lineno].bounds).visit(node)
         loop = self.by_line.get(node.lineno)
         if loop is None:
             return self.generic_visit(node)
@@ -589,6 +598,24 @@ class _Rewrite(ast.NodeTransformer):
 
 def _as_list(visited) -> list:
     return visited if isinstance(visited, list) else [visited]
+
+
+class _NumericBounds(ast.NodeTransformer):
+    """`X[a:b]` with a, b offsets -> `X[as_number(a, X):as_number(b, X)]` (a 0-dim tensor's value)."""
+
+    def __init__(self, names: frozenset[str]):
+        self.names = names
+
+    def visit_Subscript(self, node: ast.Subscript):
+        node = self.generic_visit(node)
+        if not isinstance(node.slice, ast.Slice) or not isinstance(node.value, ast.Name):
+            return node
+        for field in ("lower", "upper"):
+            bound = getattr(node.slice, field)
+            if isinstance(bound, ast.Name) and bound.id in self.names:
+                number = _parse_expr(f"{_HELPERS}.as_number({bound.id}, {node.value.id})")
+                setattr(node.slice, field, ast.copy_location(number, bound))
+        return node
 
 
 class _Subscripts(ast.NodeTransformer):
@@ -713,6 +740,19 @@ def pick(container, row: torch.Tensor, index: int, every_row: bool):
     return container[row]
 
 
+def as_number(bound, rows: torch.Tensor):
+    """A slice bound of `rows` read as a number: `.item()` of a one-element tensor (kept symbolic by
+    the trace), clamped to the row count as slicing clamps it.
+
+    The bounds are offsets, sums of per-expert counts: never negative, which the trace is told (older
+    torch otherwise cannot decide how slicing treats a symbolic bound)."""
+    if not isinstance(bound, torch.Tensor):
+        return bound
+    value = bound.item()
+    torch._check(value >= 0)
+    return torch.sym_min(value, rows.shape[0])
+
+
 def index_value(row: torch.Tensor, index: int, every_row: bool):
     """The Python int equal to the row's one value when rows are 0..n-1 (a static test), else the row."""
     return index if every_row else row
@@ -792,6 +832,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         pick=pick,
         rows_to_visit=rows_to_visit,
         index_value=index_value,
+        as_number=as_number,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
         capture_scalar_outputs=_capture_scalar_outputs,

@@ -66,6 +66,8 @@ OFFSET_OPS = frozenset(
         aten._local_scalar_dense.default,
         operator.add,
         operator.sub,
+        torch.sym_min,
+        torch.sym_max,
     }
 )
 
