@@ -111,9 +111,9 @@ def _cut_at_tensor_bounds(rows, offsets):
 
 
 def _cut_at_read_offsets(rows, offsets):
-    from moe_passes.adapters.hit_expert_loops import as_number  # what the adapted count loop calls
+    from moe_passes.adapters.hit_expert_loops import cut  # what the adapted count loop calls
 
-    return rows[as_number(offsets[0], rows) : as_number(offsets[1], rows)] * 2
+    return cut(rows, offsets[0], offsets[1]) * 2
 
 
 # Catalog forms that slice rows at offsets read from the data, and the slice that dynamo must capture.
@@ -121,8 +121,7 @@ _DATA_DEPENDENT_SLICES = {
     # Aria's module-level function slices with 0-dim tensor bounds (torch <= 2.10: "Dynamic slicing
     # with Tensor arguments"): outside a method the adapter rewrites.
     "aria4_offset_segments": _cut_at_tensor_bounds,
-    # The adapted count loop reads its offsets with .item(); torch 2.9 cannot decide the slice's
-    # bounds (e.g. that end >= start) for unbacked offsets.
+    # The adapted count loop cuts at offsets read with .item().
     "deepseek_v2_count_loop": _cut_at_read_offsets,
 }
 
@@ -130,9 +129,5 @@ _DATA_DEPENDENT_SLICES = {
 def skip_unless_dynamo_slices_for(name: str) -> None:
     """Skip a catalog form's test where this torch's dynamo breaks the graph at the form's slice."""
     cut = _DATA_DEPENDENT_SLICES.get(name)
-    if name == "deepseek_v2_count_loop" and torch_release() < (2, 10):
-        # measured: on 2.9 the model's slices at two unbacked offsets need end >= start, which the
-        # small probe below does not reproduce
-        pytest.skip(f"torch {torch.__version__}'s dynamo cannot decide slice bounds at unbacked offsets")
     if cut is not None and not _dynamo_captures_one_graph(cut, torch.ones(4, 2), torch.tensor([1, 3])):
         pytest.skip(f"torch {torch.__version__}'s dynamo breaks the graph at {name}'s data-dependent slice")

@@ -73,7 +73,6 @@ class CountsCalls(CountLoopMoE):
 class AppendsABias(CountLoopMoE):
     def segments(self, hidden_states, ids, weights):
         per_expert = ids.new_zeros((ids.shape[0], len(self.experts))).scatter_(1, ids, 1).sum(dim=0)
-        order = ids.view(-1).argsort()
         outputs, start = [], 0
         for i, count in enumerate(per_expert):
             if count == 0:

@@ -19,8 +19,8 @@ import pytest
 from moe_passes.graph_dump import main
 from moe_passes.graph_dump.html import dot_available, graph_to_dot
 from moe_passes.report import REPORT_KEYS, Report
-from tests.helpers import skip_unless_dynamo_slices_for
 from patterns import FORMS, catalog
+from tests.helpers import skip_unless_dynamo_slices_for
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"

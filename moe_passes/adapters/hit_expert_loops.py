@@ -60,7 +60,6 @@ from .source_ast import (
     bindings,
     call_name,
     function_source,
-    names_in_target,
     stored_names,
     walk_function,
 )
@@ -601,21 +600,21 @@ def _as_list(visited) -> list:
 
 
 class _NumericBounds(ast.NodeTransformer):
-    """`X[a:b]` with a, b offsets -> `X[as_number(a, X):as_number(b, X)]` (a 0-dim tensor's value)."""
+    """`X[a:b]` with a and b offsets -> `cut(X, a, b)` (bounds read as numbers)."""
 
     def __init__(self, names: frozenset[str]):
         self.names = names
 
     def visit_Subscript(self, node: ast.Subscript):
         node = self.generic_visit(node)
-        if not isinstance(node.slice, ast.Slice) or not isinstance(node.value, ast.Name):
+        bounds = node.slice
+        if not (isinstance(node.ctx, ast.Load) and isinstance(bounds, ast.Slice) and bounds.step is None):
             return node
-        for field in ("lower", "upper"):
-            bound = getattr(node.slice, field)
-            if isinstance(bound, ast.Name) and bound.id in self.names:
-                number = _parse_expr(f"{_HELPERS}.as_number({bound.id}, {node.value.id})")
-                setattr(node.slice, field, ast.copy_location(number, bound))
-        return node
+        if not all(isinstance(b, ast.Name) and b.id in self.names for b in (bounds.lower, bounds.upper)):
+            return node
+        call = _parse_expr(f"{_HELPERS}.cut(__X__, {bounds.lower.id}, {bounds.upper.id})")
+        call.args[0] = node.value
+        return ast.copy_location(call, node)
 
 
 class _Subscripts(ast.NodeTransformer):
@@ -740,17 +739,20 @@ def pick(container, row: torch.Tensor, index: int, every_row: bool):
     return container[row]
 
 
-def as_number(bound, rows: torch.Tensor):
-    """A slice bound of `rows` read as a number: `.item()` of a one-element tensor (kept symbolic by
-    the trace), clamped to the row count as slicing clamps it.
+def cut(rows: torch.Tensor, start, end) -> torch.Tensor:
+    """rows[start:end] for offsets that may be 0-dim tensors, read as numbers with `.item()` (kept
+    symbolic by the trace; older dynamo refuses a slice with tensor bounds).
 
-    The bounds are offsets, sums of per-expert counts: never negative, which the trace is told (older
-    torch otherwise cannot decide how slicing treats a symbolic bound)."""
-    if not isinstance(bound, torch.Tensor):
-        return bound
-    value = bound.item()
-    torch._check(value >= 0)
-    return torch.sym_min(value, rows.shape[0])
+    The offsets are running sums of per-expert counts over the rows being cut, so 0 <= start <= end
+    <= len(rows): the trace is told so (older torch cannot otherwise decide how slicing treats
+    symbolic bounds), and the compiled code checks it."""
+    start = start.item() if isinstance(start, torch.Tensor) else start
+    end = end.item() if isinstance(end, torch.Tensor) else end
+    torch._check(start >= 0)
+    torch._check(start <= rows.shape[0])
+    torch._check(end >= start)
+    torch._check(end <= rows.shape[0])
+    return rows[start:end]
 
 
 def index_value(row: torch.Tensor, index: int, every_row: bool):
@@ -832,7 +834,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         pick=pick,
         rows_to_visit=rows_to_visit,
         index_value=index_value,
-        as_number=as_number,
+        cut=cut,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
         capture_scalar_outputs=_capture_scalar_outputs,

@@ -22,6 +22,7 @@ its weight.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch.fx import Node
@@ -211,8 +212,13 @@ def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
         if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1):
             return None
         return "index_add", adds[0], gathered.args[1][0], gathered.args[0], adds[0].args[2]
+    values = cat
+    if is_call(user, *_VIEWS) and len(user.users) == 1 and shape(user) is not None and shape(cat) is not None:
+        # one slot (T * k == 1): out[perm] = y puts y's [H] view, broadcast to the one row
+        if math.prod(shape(user)) == math.prod(shape(cat)) and len(shape(user)) == 1:
+            values, user = user, next(iter(user.users))
     accumulates = len(user.args) > 3 and user.args[3]
-    if is_call(user, aten.index_put.default) and user.args[2] is cat and len(user.args[1]) == 1 and not accumulates:
+    if is_call(user, aten.index_put.default) and user.args[2] is values and len(user.args[1]) == 1 and not accumulates:
         # out[perm] = y with perm a permutation of every row: all rows overwritten (DeepSeek-V2's combine)
         return "unpermute", user, user.args[1][0], None, None
     if is_call(user, aten.index_copy.default) and user.args[1] == 0 and user.args[3] is cat:

@@ -13,17 +13,7 @@ import re
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import (
-    SHAPE_ONLY_OPS,
-    backward_slice,
-    const_int,
-    dtype,
-    escaping_users,
-    is_call,
-    shape,
-    source_line,
-    strip_casts,
-)
+from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, source_line, strip_casts
 from ..printer import node_lines
 from ..report import Declined, Fused
 from . import (
@@ -39,7 +29,6 @@ from .matches import Decline, ExpertsMatch
 from .rewrite import rewrite_experts
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 
 FINDERS = (
     experts_grouped_mm.find,
@@ -95,17 +84,13 @@ def _layer_of(match: ExpertsMatch) -> str:
 
 
 def _is_size_arithmetic(node: Node) -> bool:
-    """Symbolic sizes and checks on them, and views or slices read only for their sizes (a slice cut
-    with data-dependent bounds, whose row count dynamo asserts on)."""
+    """Symbolic sizes and checks on them, and tensors read only for those (a slice cut at
+    data-dependent offsets whose row count dynamo asserts on; an offset read only to check its range)."""
     if isinstance(node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool):
         return True
     if node.op == "call_function" and node.target in ASSERTION_OPS:
         return True
-    return (
-        is_call(node, aten.slice.Tensor, *SHAPE_ONLY_OPS)
-        and bool(node.users)
-        and all(_is_size_arithmetic(user) for user in node.users)
-    )
+    return node.op == "call_function" and bool(node.users) and all(_is_size_arithmetic(u) for u in node.users)
 
 
 def region_of(match: ExpertsMatch) -> set[Node]:
