@@ -107,7 +107,9 @@ def _dynamo_captures_one_graph(fn, *args) -> bool:
 
 
 def _cut_at_tensor_bounds(rows, offsets):
-    return rows[offsets[0] : offsets[1]] * 2
+    out = torch.zeros_like(rows)
+    out[offsets[0] : offsets[1]] = rows[offsets[0] : offsets[1]] * 2
+    return out
 
 
 def _cut_at_read_offsets(rows, offsets):
@@ -118,8 +120,9 @@ def _cut_at_read_offsets(rows, offsets):
 
 # Catalog forms that slice rows at offsets read from the data, and the slice that dynamo must capture.
 _DATA_DEPENDENT_SLICES = {
-    # Aria's module-level function slices with 0-dim tensor bounds (torch <= 2.10: "Dynamic slicing
-    # with Tensor arguments"): outside a method the adapter rewrites.
+    # Aria's module-level function slices with 0-dim tensor bounds and writes the result over the same
+    # rows (torch <= 2.10: "Dynamic slicing with Tensor arguments"; 2.11 cannot tell that the two
+    # slices have one size): outside a method the adapter rewrites.
     "aria4_offset_segments": _cut_at_tensor_bounds,
     # The adapted count loop cuts at offsets read with .item().
     "deepseek_v2_count_loop": _cut_at_read_offsets,

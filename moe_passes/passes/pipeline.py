@@ -83,14 +83,21 @@ def _layer_of(match: ExpertsMatch) -> str:
     return ".".join(common) if len(common) > 1 else layer_name(match.output)
 
 
-def _is_size_arithmetic(node: Node) -> bool:
-    """Symbolic sizes and checks on them, and tensors read only for those (a slice cut at
-    data-dependent offsets whose row count dynamo asserts on; an offset read only to check its range)."""
-    if isinstance(node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool):
-        return True
-    if node.op == "call_function" and node.target in ASSERTION_OPS:
-        return True
-    return node.op == "call_function" and bool(node.users) and all(_is_size_arithmetic(u) for u in node.users)
+def _is_size_value(node: Node) -> bool:
+    """A symbolic size (or other scalar) or a runtime check on one: not a tensor at all."""
+    return isinstance(
+        node.meta.get("val"), int | float | bool | torch.SymInt | torch.SymFloat | torch.SymBool
+    ) or (node.op == "call_function" and node.target in ASSERTION_OPS)
+
+
+def read_only_for_sizes(graph: torch.fx.Graph) -> set[Node]:
+    """Size values, and tensors whose every use is one (a slice cut at data-dependent offsets whose row
+    count dynamo asserts on; an offset read only to check its range). One pass from the graph's end."""
+    found: set[Node] = set()
+    for node in reversed(graph.nodes):
+        if _is_size_value(node) or (node.op == "call_function" and node.users and node.users.keys() <= found):
+            found.add(node)
+    return found
 
 
 def region_of(match: ExpertsMatch) -> set[Node]:
@@ -99,17 +106,16 @@ def region_of(match: ExpertsMatch) -> set[Node]:
     # Views and casts of the region's inputs are aliases of those inputs, and symbolic size
     # arithmetic is not a tensor at all: both are free to be shared with the rest of the graph.
     return {
-        n
-        for n in backward_slice(match.output, boundary)
-        if strip_casts(n) not in boundary and not _is_size_arithmetic(n)
+        n for n in backward_slice(match.output, boundary) if strip_casts(n) not in boundary and not _is_size_value(n)
     }
 
 
 def check(match: ExpertsMatch) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
     region = region_of(match)
+    sizes = read_only_for_sizes(match.output.graph)
     # A size read off a region tensor (and the runtime checks on it) is not a use of its values.
-    escapes = [(a, b) for a, b in escaping_users(region, match.output) if not _is_size_arithmetic(b)]
+    escapes = [(a, b) for a, b in escaping_users(region, match.output) if b not in sizes]
     if escapes:
         inside, outside = escapes[0]
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
@@ -287,6 +293,7 @@ def _drop_size_assertions_on(graph: torch.fx.Graph, replaced: set[Node]) -> int:
     nor the tensor (and its host sync) should stay.
     """
     dropped = 0
+    sizes = read_only_for_sizes(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in ASSERTION_OPS:
             continue
@@ -296,14 +303,14 @@ def _drop_size_assertions_on(graph: torch.fx.Graph, replaced: set[Node]) -> int:
             if current in seen:
                 continue
             seen.add(current)
-            if _is_size_arithmetic(current):
-                stack.extend(current.all_input_nodes)
+            if _is_size_value(current) or (current in sizes and current not in replaced):
+                stack.extend(current.all_input_nodes)  # through sizes, and tensors only checked
             else:
                 sources.add(current)
         if (
             sources
             and sources <= replaced
-            and all(all(_is_size_arithmetic(user) for user in source.users) for source in sources)
+            and all(all(user in sizes for user in source.users) for source in sources)
         ):
             graph.erase_node(node)
             dropped += 1
