@@ -64,7 +64,7 @@ def _reduces_dim_zero(call: ast.Call) -> bool:
 
 def tolist_of(expr: ast.AST) -> str | None:
     """N for `N.tolist()`."""
-    if call_name(expr) == "tolist" and isinstance(expr.func.value, ast.Name) and not expr.args:
+    if call_name(expr) == "tolist" and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name) and not expr.args:
         return expr.func.value.id
     return None
 
@@ -183,7 +183,7 @@ def _appends_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[tuple[int,
             names = stored_names(stmt.targets[0])
         elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
             names = [stmt.target.id]
-        elif isinstance(stmt, ast.Expr) and call_name(stmt.value) == "append" and isinstance(stmt.value.func.value, ast.Name):
+        elif _appends_to_a_name(stmt):
             appends.append((stmt.lineno, stmt.value.func.value.id, stmt.value.args[0] if stmt.value.args else None))
             continue
         elif isinstance(stmt, ast.Pass):
@@ -201,6 +201,16 @@ def _appends_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[tuple[int,
         if listed in bound or value is None:
             raise NotAdaptable(f"line {line}: the appended-to list {listed} is not defined before the loop")
     return appends, bound
+
+
+def _appends_to_a_name(stmt: ast.stmt) -> bool:
+    """`L.append(v)` with L a name."""
+    return (
+        isinstance(stmt, ast.Expr)
+        and call_name(stmt.value) == "append"
+        and isinstance(stmt.value.func, ast.Attribute)
+        and isinstance(stmt.value.func.value, ast.Name)
+    )
 
 
 def _simple_bindings(body: list[ast.stmt]) -> list[tuple[str, ast.expr]]:

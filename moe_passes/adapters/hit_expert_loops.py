@@ -885,8 +885,8 @@ def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType 
         except NotAdaptable as exc:
             _DECISIONS[key] = f"{where}: {exc}"
             log.info("expert loop not adapted: %s", _DECISIONS[key])
-        except (SyntaxError, ValueError, StopIteration) as exc:  # unusual source: leave it as written
-            _DECISIONS[key] = f"{where}: source not understood ({exc})"
+        except Exception as exc:  # noqa: BLE001 - unusual source: leave it as written, never fail the compile
+            _DECISIONS[key] = f"{where}: source not understood ({type(exc).__name__}: {exc})"
             log.info("expert loop not adapted: %s", _DECISIONS[key])
     decision = _DECISIONS[key]
     return decision if isinstance(decision, types.FunctionType) else None
