@@ -50,7 +50,8 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
         # traces onto the ATen nodes, which is how reports name the layer each rewrite came from.
         return _CanonicalInterpreter(gm).run(*flat)
 
-    functionalize = _python_functionalize if uses_functorch_transforms(gm) else _functorch_functionalize
+    in_python = uses_functorch_transforms(gm) or mutates_through_custom_ops(gm)
+    functionalize = _python_functionalize if in_python else _functorch_functionalize
     depth = _functorch_depth()
     try:
         with fake_mode, fx_traceback.preserve_node_meta():
@@ -98,6 +99,27 @@ def uses_functorch_transforms(gm: torch.fx.GraphModule) -> bool:
         node.op == "call_function" and getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
         for node in gm.graph.nodes
     )
+
+
+def mutates_through_custom_ops(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph calls a non-ATen op that writes into an argument (vLLM's CPU kernel
+    `_C::cpu_fused_moe(Tensor(a0!) output, ...) -> ()`, in-place custom kernels of other libraries).
+
+    functorch's C++ functionalize rejects such ops; the Python functionalization wraps them in
+    `auto_functionalized`, as AOTAutograd does, so the graph can still be read (and, unfused, it is
+    handed on as captured).
+    """
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+            continue
+        overloads = [target] if isinstance(target, torch._ops.OpOverload) else [
+            getattr(target, name) for name in target.overloads()
+        ]
+        schemas = [overload._schema for overload in overloads]
+        if any(s.is_mutable and s.name.split("::")[0] not in ("aten", "prims") for s in schemas):
+            return True
+    return False
 
 
 def _functorch_functionalize(run):

@@ -419,3 +419,78 @@ def test_a_guard_on_other_rows_than_the_accumulation_is_kept():
     report, output, recorder = run_hpu_moe(model, inputs)
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+# --- only expert loops are adapted ---
+
+
+class ClusterLoop(torch.nn.Module):
+    """Rows picked by a range test per cluster (adaptive softmax style): not one expert's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.cutoffs = [2, 5]
+        self.tail = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in self.cutoffs)
+
+    def forward(self, x, target):
+        out = torch.zeros_like(x)
+        bounds = [0, *self.cutoffs]
+        for i in range(len(bounds) - 1):
+            mask = (target >= bounds[i]) & (target < bounds[i + 1])
+            rows = mask.nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            out.index_add_(0, rows, self.tail[i](x.index_select(0, rows)))
+        return out
+
+
+class PerSequenceLoop(torch.nn.Module):
+    """A loop over zipped per-sequence data selecting marked tokens: no expert index."""
+
+    def forward(self, states, token_ids, marks):
+        picked = []
+        for data, ids, mark in zip(states, token_ids, marks, strict=True):
+            picked.append(data[(ids == mark).nonzero(as_tuple=True)[0]])
+        return picked
+
+
+class ValueHistogram(torch.nn.Module):
+    """A histogram over the values' own range handed to a method: counts of no experts."""
+
+    def forward(self, x):
+        counts = torch.histc(x, bins=4, min=float(x.min()), max=float(x.max()))
+        return self.combine(counts.tolist())
+
+    def combine(self, counts):
+        return sum(counts)
+
+
+@pytest.mark.parametrize("cls", [ClusterLoop, PerSequenceLoop, ValueHistogram, torch.nn.AdaptiveLogSoftmaxWithLoss])
+def test_loops_that_select_no_experts_tokens_are_not_adapted(cls):
+    assert hit_expert_loops.adaptations_of(cls) == {}
+
+
+def test_torch_observer_histograms_are_not_expert_counts():
+    from torch.ao.quantization.observer import HistogramObserver
+
+    assert hit_expert_loops.adaptations_of(HistogramObserver) == {}
+
+
+class OffsetIdLoop(torch.nn.Module):
+    """`ids == start + e` (a rank's window) is still one expert's mask: adapted (shapes captured)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x, ids, weights, start: int = 0):
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            expert_id = start + e
+            token, slot = (ids == expert_id).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+def test_a_mask_of_an_offset_expert_id_is_an_expert_loop():
+    assert set(hit_expert_loops.adaptations_of(OffsetIdLoop)) == {"forward"}

@@ -89,3 +89,35 @@ def test_jamba_with_its_associative_scan_is_fused():
     assert (report.graph_count, report.graph_break_count, report.fallbacks) == (1, 0, [])
     assert len(report.fused) == 2 and len(recorder.fused_nodes()) == 2
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+_lib = torch.library.Library("moe_passes_ir_test", "DEF")  # noqa: TOR901 - a test op, defined once
+_lib.define("scale_into(Tensor(a!) out, Tensor x, float factor) -> ()")
+
+
+def _scale_into(out, x, factor):
+    out.copy_(x * factor)
+
+
+_lib.impl("scale_into", _scale_into, "CompositeExplicitAutograd")
+_lib.impl("scale_into", lambda out, x, factor: None, "Meta")
+
+
+def write_through_a_kernel(x: torch.Tensor) -> torch.Tensor:
+    """A library kernel that writes its result into an argument and returns nothing (vLLM's CPU MoE)."""
+    out = torch.empty_like(x)
+    torch.ops.moe_passes_ir_test.scale_into(out, x, 2.0)
+    return out + 1
+
+
+def test_custom_ops_that_write_into_an_argument_are_functionalized_in_python():
+    gm, example_inputs = captured(write_through_a_kernel, torch.randn(3, 4))
+    assert ir.mutates_through_custom_ops(gm) and not ir.uses_functorch_transforms(gm)
+    canonical = ir.to_canonical_aten(gm, example_inputs)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(canonical(x)[0], write_through_a_kernel(x))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "internal error" fallback warning
+        out = torch.compile(write_through_a_kernel, backend="hpu_moe", options={"inner": "eager"})(x)
+    torch.testing.assert_close(out, x * 2 + 1)

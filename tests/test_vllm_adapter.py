@@ -203,6 +203,20 @@ def test_adapter_option_off_keeps_the_opaque_op(adapted, fresh):
     assert OP_CALLS["moe_forward"] == 3
 
 
+def test_a_layer_wrapped_by_lora_keeps_the_opaque_op(adapted, fresh):
+    """vLLM's FusedMoEWithLoRA sets the routed experts' `lora_base_layer_prefix` to "base_layer." (it is ""
+    without LoRA): its dual-stream path relies on the op boundary, so the op stays."""
+    model, x = build(2, adapted["0.25-0.33"][1])
+    for layer in model.layers:
+        assert layer.experts.routed_experts.lora_base_layer_prefix == ""
+        layer.experts.routed_experts.lora_base_layer_prefix = "base_layer."
+    expected = run(model.layers, model, x)
+    OP_CALLS["moe_forward"] = 0
+    out = run(compile_each(model), model, x)
+    assert OP_CALLS["moe_forward"] == 2
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_several_data_parallel_ranks_keep_the_opaque_op(adapted, release, fresh):
     """dp_size 2: dispatch/combine read the context's token counts, so the op (and the name) stay."""

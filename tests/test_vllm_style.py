@@ -185,3 +185,43 @@ def test_eager_and_other_backends_keep_the_original_forward():
     layer = model.layers[0].experts
     with torch.no_grad(), pytest.raises(RuntimeError, match="forward context is not set"):
         layer(x.reshape(-1, 16), torch.zeros(x.shape[1], 4))
+
+
+class AttentionWithForwardImpl(torch.nn.Module):
+    """vLLM's MLA attention shape: forward reads `layer_name` and there is a `forward_impl`, but of
+    attention inputs. Rerouting it would call forward_impl with the wrong arguments."""
+
+    layer_name = "model.layers.0.self_attn.attn"
+
+    def forward(self, q, kv_c_normed, k_pe):
+        return torch.ops.moe_passes_absent.unified_mla(q, kv_c_normed, k_pe, self.layer_name)
+
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output):
+        return output
+
+
+class MixerWithForwardImpl(AttentionWithForwardImpl):
+    """vLLM's Mamba mixer shape: `forward_impl(hidden_states, output)`."""
+
+    def forward(self, hidden_states, router_logits):
+        return self.forward_impl(hidden_states, self.layer_name)
+
+    def forward_impl(self, hidden_states, output):
+        return output
+
+
+@pytest.mark.parametrize("cls", [AttentionWithForwardImpl, MixerWithForwardImpl])
+def test_layers_that_only_look_like_the_convention_are_not_adapted(cls):
+    from moe_passes.adapters import vllm_style
+
+    class MoELayer(torch.nn.Module):
+        layer_name = "model.layers.0.mlp.experts"
+
+        def forward(self, hidden_states, router_logits):
+            return torch.ops.moe_passes_absent.moe_forward(hidden_states, router_logits, self.layer_name)
+
+        def forward_impl(self, hidden_states, router_logits):
+            return hidden_states
+
+    assert not vllm_style.follows_convention(cls)
+    assert vllm_style.follows_convention(MoELayer)

@@ -1,7 +1,9 @@
 """Small classes that mirror the structure of vLLM's MoE layers, for testing the vLLM adapter here.
 
-vLLM cannot be installed on the CPU machines. What the adapter detects and hooks is mirrored from vLLM's
-sources, release by release: the class layout, the attribute holding the opaque op, `_encode_layer_name`,
+Real vLLM runs in its own environment (`tools/vllm_env.py`, `tests/test_vllm_real.py`, where the newest
+mirror is also checked against the real classes); these mirrors keep every convention the adapter knows
+tested in the main suite, including releases that cannot be installed here. What the adapter detects and
+hooks is mirrored from vLLM's sources, release by release: the class layout, the attribute holding the opaque op, `_encode_layer_name`,
 the op's body (find the layer by name in the forward context, run the impl), and the impl's signature.
 The MoE compute is the catalog's (`patterns/vllm_fused_moe.py`: vLLM's routing and the Gaudi static
 expert loop), so the hpu_moe passes can fuse it. Each factory returns fresh classes, so that a test can
@@ -73,7 +75,9 @@ class FusedMoEConfig:
 def routed_experts(hidden: int = HIDDEN) -> nn.Module:
     """Stacked w13/w2 with vLLM's routing and the static expert loop (`forward_impl(hidden, logits)`)."""
     cfg = {"num_experts": EXPERTS, "hidden": hidden, "intermediate": INTERMEDIATE, "top_k": TOP_K}
-    return vllm_fused_moe.FusedMoE(cfg, "experts", {})
+    experts = vllm_fused_moe.FusedMoE(cfg, "experts", {})
+    experts.lora_base_layer_prefix = ""  # RoutedExperts without LoRA; FusedMoEWithLoRA sets "base_layer."
+    return experts
 
 
 def encode_layer_name(runner):

@@ -28,7 +28,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from .source_ast import VIEW_METHODS, NotAdaptable, call_name, loads, stored_names, walk_function
+from .source_ast import (
+    VIEW_METHODS,
+    NotAdaptable,
+    call_name,
+    defining_bindings,
+    loads,
+    stored_names,
+    walk_function,
+)
 
 # Per-expert counts of a fixed length (E). `bincount` is not one (its length is data-dependent, which
 # `.tolist()` cannot keep symbolic).
@@ -40,21 +48,28 @@ def is_count(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset(
     view-like methods and names whose every binding is such a count (or the name's own `.tolist()`)."""
     while True:
         if isinstance(expr, ast.Name):
-            bound = assignments.get(expr.id, [])
-            if expr.id in seen or not bound or not all(isinstance(b, ast.Assign) for b in bound):
-                return expr.id in seen
+            bound = defining_bindings(expr.id, assignments)
+            if expr.id in seen or bound is None:
+                return False
             return all(
                 is_count(b.value, assignments, seen | {expr.id}) or tolist_of(b.value) == expr.id for b in bound
             )
         name = call_name(expr)
         if name in _COUNT_CALLS:
-            return True
+            return _counts_from_zero(expr)
         if name == "sum" and isinstance(expr.func, ast.Attribute) and _reduces_dim_zero(expr):
             return True
         if name in VIEW_METHODS | {"cpu"} and isinstance(expr.func, ast.Attribute):
             expr = expr.func.value
             continue
         return False
+
+
+def _counts_from_zero(call: ast.Call) -> bool:
+    """`histc(ids, bins=E, min=0, max=E - 1)`: one bin per id from 0 (a histogram of values over their
+    own range, `min=x.min()`, counts no experts)."""
+    low = call.args[2] if len(call.args) > 2 else next((k.value for k in call.keywords if k.arg == "min"), None)
+    return isinstance(low, ast.Constant) and low.value == 0
 
 
 def _reduces_dim_zero(call: ast.Call) -> bool:

@@ -59,6 +59,7 @@ from .source_ast import (
     NotAdaptable,
     bindings,
     call_name,
+    defining_bindings,
     function_source,
     stored_names,
     walk_function,
@@ -109,11 +110,9 @@ def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozens
     (`m = one_hot(ids, E); m = m.permute(2, 1, 0)`): such a tensor is non-negative wherever it is read."""
     while True:
         if isinstance(expr, ast.Name):
-            bound = assignments.get(expr.id, [])
-            if not bound or not all(isinstance(b, ast.Assign) and len(b.targets) == 1 for b in bound):
+            bound = defining_bindings(expr.id, assignments)
+            if expr.id in seen or bound is None:
                 return False
-            if expr.id in seen:  # a re-binding that views the name itself: decided by the other bindings
-                return True
             return all(_is_one_hot(b.value, assignments, seen | {expr.id}) for b in bound)
         name = call_name(expr)
         if name == "one_hot":
@@ -525,11 +524,83 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
 
 
 def _selects_tokens(loop: ast.For) -> bool:
-    """The loop calls `torch.where(x)` (one argument) or `.nonzero(...)`."""
+    """The loop selects the tokens of its expert: `torch.where(M)` (one argument) or a `nonzero` of M,
+    where M compares with or is indexed by the loop variable (`ids == e`, `mask[e]`, `ids == start + e`),
+    directly or through names bound in the loop. Loops that select rows by anything else (cluster
+    bounds, padding masks) are not expert loops and are left alone."""
+    values: dict[str, list[ast.AST]] = {}
+    for stmt in ast.walk(loop):
+        if isinstance(stmt, ast.Assign):
+            for target in stmt.targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        values.setdefault(name.id, []).append(stmt.value)
+    varying = _index_variables(loop)
+    masks: set[str] = set()
+    while True:  # names whose value depends on the loop variable, and names holding such masks
+        grown_varying = varying | {k for k, vs in values.items() if any(_mentions(v, varying) for v in vs)}
+        grown_masks = masks | {k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, masks) for v in vs)}
+        if grown_varying == varying and grown_masks == masks:
+            break
+        varying, masks = grown_varying, grown_masks
     for inner in ast.walk(loop):
-        name = call_name(inner)
-        if name == "nonzero" or (name == "where" and len(inner.args) == 1 and not inner.keywords):
+        operand = _selection_operand(inner)
+        if operand is not None and _is_expert_mask(operand, varying, masks):
             return True
+    return False
+
+
+def _index_variables(loop: ast.For) -> set[str]:
+    """Names that step through expert indices: `e` of `for e in range(E)` / `for e in hit`, `i` of
+    `for i, x in enumerate(...)`; none for `zip(...)` (per-sequence data, not experts)."""
+    target, iterated = loop.target, loop.iter
+    name = call_name(iterated)
+    if name == "zip":
+        return set()
+    if name == "enumerate" and isinstance(target, ast.Tuple) and target.elts:
+        target = target.elts[0]
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _selection_operand(node: ast.AST) -> ast.AST | None:
+    """M for `torch.where(M)`, `M.nonzero(...)` and `torch.nonzero(M, ...)`."""
+    name = call_name(node)
+    if name == "where" and len(node.args) == 1 and not node.keywords:
+        return node.args[0]
+    if name != "nonzero":
+        return None
+    receiver = node.func.value if isinstance(node.func, ast.Attribute) else None
+    if receiver is not None and not (isinstance(receiver, ast.Name) and receiver.id == "torch"):
+        return receiver
+    return node.args[0] if node.args else None
+
+
+def _mentions(expr: ast.AST, names: set[str]) -> bool:
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(expr))
+
+
+_MASK_VIEWS = VIEW_METHODS | {"squeeze", "unsqueeze", "flatten", "bool"}
+
+
+def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str]) -> bool:
+    """`expr` is one expert's mask: an equality with a value that changes with the expert index
+    (`ids == e`, `torch.eq(ids, e)`), an indexing by it (`mask[e]`), a name holding one, or `&`/`|`
+    with one, through view-like methods. Range tests (`lo <= t < hi`) pick clusters or spans, not one
+    expert's tokens."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in _MASK_VIEWS:
+        expr = expr.func.value
+    if isinstance(expr, ast.Name):
+        return expr.id in masks
+    if isinstance(expr, ast.Compare):
+        return all(isinstance(op, ast.Eq) for op in expr.ops) and _mentions(
+            ast.Tuple([expr.left, *expr.comparators]), varying
+        )
+    if call_name(expr) == "eq":
+        return _mentions(ast.Tuple(list(expr.args)), varying)
+    if isinstance(expr, ast.Subscript):
+        return _mentions(expr.slice, varying)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
+        return _is_expert_mask(expr.left, varying, masks) or _is_expert_mask(expr.right, varying, masks)
     return False
 
 

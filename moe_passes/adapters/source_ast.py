@@ -84,3 +84,21 @@ def call_name(call: ast.AST) -> str | None:
 def loads(node: ast.AST) -> set[str]:
     """Names read anywhere in `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def viewed_name(expr: ast.AST, methods=VIEW_METHODS) -> str | None:
+    """N for `N`, `N.view(...)`, `N.permute(...).contiguous()`, ...: the name whose values `expr` holds."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in methods:
+        expr = expr.func.value
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def defining_bindings(name: str, assignments: dict) -> list | None:
+    """The bindings of `name` that decide what it holds: all but re-bindings that view the name itself
+    (`m = m.permute(2, 1, 0)`). None where a binding is not a plain assignment, or where only such
+    re-bindings exist (the name is then a parameter or a global: nothing is known of it)."""
+    bound = assignments.get(name, [])
+    if not bound or not all(isinstance(b, ast.Assign) and len(b.targets) == 1 for b in bound):
+        return None
+    defining = [b for b in bound if viewed_name(b.value, VIEW_METHODS | {"cpu"}) != name]
+    return defining or None

@@ -179,8 +179,14 @@ def runs_alone(runner) -> bool:
         and getattr(config, "is_sequence_parallel", True) is False
         and not getattr(runner, "enable_dbo", False)
         and not getattr(runner, "use_dp_chunking", False)
-        and getattr(getattr(runner, "routed_experts", None), "lora_base_layer_prefix", None) is None
+        and not uses_lora(runner)
     )
+
+
+def uses_lora(runner) -> bool:
+    """Whether vLLM's LoRA wrapped this layer: `FusedMoEWithLoRA` sets the routed experts'
+    `lora_base_layer_prefix` to "base_layer." (0.25+); without LoRA it is "" (or absent, before)."""
+    return bool(getattr(getattr(runner, "routed_experts", None), "lora_base_layer_prefix", ""))
 
 
 def layers_found_by_counting(names_module) -> bool:
