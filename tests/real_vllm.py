@@ -46,6 +46,7 @@ class LayerRun:
     adapted: bool  # the runner adapter engaged on the built layers
     compiles: int  # frames dynamo compiled (the first compile and every recompile)
     recompiles: int
+    limit_hits: int  # times dynamo gave up at its recompile limit (the remaining layers run uncompiled)
     graph_breaks: int
     fused_calls: int  # fused MoE calls across the compiled graphs
     max_diff: float
@@ -147,6 +148,7 @@ def run(entry: str, backend: str, tmp: str) -> LayerRun:
         adapted=adapted,
         compiles=report.compile_count,
         recompiles=report.recompile_count,
+        limit_hits=len(report.recompile_limit_hits),
         graph_breaks=report.graph_break_count,
         fused_calls=sum(fused),
         max_diff=float((out - expected).abs().max()),

