@@ -262,8 +262,8 @@ class _DynamoEvents(logging.Handler):
                     compile_id=compile_id or "?",
                     function=compiled.function if compiled else "?",
                     location=compiled.location if compiled else "?",
-                    guard_failures=[_first_lines(str(r), 1) for r in reasons],
-                    user_stack=_recompile_stack(str(reasons[0]), compiled) if reasons else [],
+                    guard_failures=[_guard_summary(str(r)) for r in reasons],
+                    user_stack=_recompile_stack(_guard_summary(str(reasons[0])), compiled) if reasons else [],
                 )
             )
         return out
@@ -349,6 +349,15 @@ def _frames(text: str) -> list[Frame]:
     return frames
 
 
+def _guard_summary(failure: str) -> str:
+    """A failed guard on one line, with the source comment dynamo puts after it: an object's guard
+    spans the lines of its repr (`___check_obj_id(self, N), type=FusedMoE(` ... `)  # code  # file:line`)."""
+    lines = [line.strip() for line in failure.splitlines() if line.strip()]
+    if len(lines) > 1 and "  # " in lines[-1] and "  # " not in lines[0]:
+        return f"{lines[0]} ... {lines[-1]}"
+    return lines[0] if lines else ""
+
+
 def _first_lines(text: str, count: int) -> str:
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
     return " / ".join(lines[:count])
@@ -395,12 +404,31 @@ def advice_for_breaks(break_reasons: list[str], break_locations: list[str] = ())
     return []
 
 
+# `___check_obj_id(self, 1398...), type=FusedMoE(...)  # layer_id = id(layer)  # path.py:398 in forward_torch`
+_IDENTITY_GUARD = re.compile(r"___check_obj_id\(.*#\s*(?P<code>[^#\n]*\bid\([^#\n]*?)\s*#\s*(?P<where>\S+:\d+)", re.S)
+
+
+def identity_guard_advice(where: str, code: str) -> str:
+    """Advice for a layer whose identity, read by `id(...)` in traced code, keys an opaque op."""
+    return (
+        f"each layer recompiles because traced code reads the layer's identity (`{code}` at {where}): dynamo "
+        "puts the number into the graph and guards on the object, so every layer compiles its own graph. "
+        "hpu_moe leaves this as written (the op finds the layer again by that number, and its body is not "
+        "traced); pass the layer, or a name that the adapters can hold by reference, instead of its id(). "
+        "vLLM 0.17 to 0.23 do this in their CPU MoE fallback (`forward_torch`, taken where vLLM's CPU "
+        "grouped GEMM is not available); GPUs, Gaudi and vLLM 0.24+ do not take that path"
+    )
+
+
 def advice_for_recompiles(report: Report) -> list[str]:
     """What the user can change to remove per-layer recompiles."""
     advice = []
     failures = [failure for r in report.recompiles for failure in r.guard_failures]
     if any(re.search(r"\.layer_name ==|\bprefix ==", failure) for failure in failures):
         advice.append(NAME_GUARD_ADVICE)
+    identity = next((m for m in map(_IDENTITY_GUARD.search, failures) if m), None)
+    if identity is not None:
+        advice.append(identity_guard_advice(identity["where"], identity["code"].strip()))
     if report.recompile_limit_hits:
         advice.append(LIMIT_ADVICE)
     return advice

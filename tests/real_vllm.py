@@ -50,6 +50,8 @@ class LayerRun:
     graph_breaks: int
     fused_calls: int  # fused MoE calls across the compiled graphs
     max_diff: float
+    guard_failures: list[str]  # the guard that failed at each recompile, with the source line it came from
+    advice: list[str]
     report: str  # moe_passes' report of the run (`explaining`)
 
 
@@ -143,7 +145,7 @@ def run(entry: str, backend: str, tmp: str) -> LayerRun:
         torch=torch.__version__,
         entry=entry,
         backend=backend,
-        use_layername=os.environ.get("VLLM_USE_LAYERNAME", "1") != "0",
+        use_layername=_uses_layername_objects(),
         layers=LAYERS,
         adapted=adapted,
         compiles=report.compile_count,
@@ -152,8 +154,17 @@ def run(entry: str, backend: str, tmp: str) -> LayerRun:
         graph_breaks=report.graph_break_count,
         fused_calls=sum(fused),
         max_diff=float((out - expected).abs().max()),
+        guard_failures=[failure for r in report.recompiles for failure in r.guard_failures[:1]],
+        advice=report.advice,
         report=str(report),
     )
+
+
+def _uses_layername_objects() -> bool:
+    """Whether this vLLM passes layer names as opaque objects (torch >= 2.11, VLLM_USE_LAYERNAME=1)."""
+    from vllm.utils import torch_utils
+
+    return bool(getattr(torch_utils, "_USE_LAYERNAME", False))
 
 
 def run_in_process(entry: str, backend: str, use_layername: bool = True, python: str = sys.executable) -> LayerRun:

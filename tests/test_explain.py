@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,3 +188,28 @@ def test_torch_trace_holds_each_pass_graph_and_the_report(tmp_path):
     assert not any("mixture_of_experts" in p for p in artifacts["moe_passes_graph_0_before"])
     reports = [Report.from_dict(json.loads(p)) for p in artifacts["moe_passes_report"]]
     assert [len(r.fused) for r in reports] == [1, 0] and [len(r.declined) for r in reports] == [0, 1]
+
+
+_keyed = torch.library.Library("moe_passes_explain_test", "DEF")  # noqa: TOR901 - a test op, defined once
+_keyed.define("scale_by_key(int key, Tensor x) -> Tensor")
+_keyed.impl("scale_by_key", lambda key, x: x * 2, "CompositeExplicitAutograd")
+_keyed.impl("scale_by_key", lambda key, x: torch.empty_like(x), "Meta")
+
+
+class KeyedByIdentity(torch.nn.Module):
+    """An opaque op that finds its layer by `id(layer)` (vLLM 0.17-0.23's CPU MoE fallback does this)."""
+
+    def forward(self, x):
+        layer_id = id(self)
+        return torch.ops.moe_passes_explain_test.scale_by_key(layer_id, x)
+
+
+def test_a_layer_keyed_by_its_identity_is_named_in_the_advice():
+    layers, x = [KeyedByIdentity() for _ in range(3)], torch.randn(2, 4)
+    with moe_passes.explaining({"inner": "eager", "target": "portable"}) as session:
+        for layer in layers:
+            session.compile(layer)(x)
+    report = session.report
+    assert report.compile_count == 3, str(report)
+    (advice,) = [a for a in report.advice if "identity" in a]
+    assert re.search(r"\(`layer_id = id\(self\)` at \S*test_explain\.py:\d+\)", advice), advice

@@ -351,6 +351,8 @@ def test_register_adapts_the_loaded_runner(monkeypatch, caplog):
     cls.__module__ = RUNNER_MODULE
     module = types.ModuleType(RUNNER_MODULE)
     module.MoERunner = cls
+    for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)  # where real vLLM is installed, only the mirror is loaded
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, RUNNER_MODULE, module)
     with caplog.at_level(logging.INFO, logger="moe_passes"):

@@ -32,23 +32,41 @@ def _ids(config):
     return f"{entry}-{'LayerName' if use_layername else 'str'}"
 
 
+def keys_layers_by_identity() -> bool:
+    """vLLM 0.17-0.23's CPU MoE fallback hands its op `id(layer)` (`cpu_fused_moe.py`, `forward_torch`)."""
+    try:
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    except ImportError:
+        return False
+    return "id(layer)" in inspect.getsource(cpu_fused_moe)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_ten_real_layers_share_one_compile_under_hpu_moe(config):
     entry, use_layername = config
     result = run_in_process(entry, "hpu_moe", use_layername)
     assert result.adapted, result.report
-    assert (result.compiles, result.recompiles, result.graph_breaks) == (1, 0, 0), result.report
-    assert result.max_diff == 0.0
-    assert "compiles: 1   recompiles: 0" in result.report  # what moe_passes.explain shows
+    assert not any("layer_name" in failure for failure in result.guard_failures), result.report
+    assert result.graph_breaks == 0 and result.max_diff == 0.0, result.report
+    if keys_layers_by_identity():
+        # vLLM's own CPU fallback recompiles per layer on `id(layer)`: left as written, named in the advice
+        assert result.guard_failures and all("___check_obj_id" in f for f in result.guard_failures)
+        assert any("`layer_id = id(layer)` at" in advice for advice in result.advice), result.advice
+    else:
+        assert (result.compiles, result.recompiles) == (1, 0), result.report
+        assert "compiles: 1   recompiles: 0" in result.report  # what moe_passes.explain shows
 
 
 @pytest.mark.parametrize("entry", ["custom-op", "default"])
-def test_plain_dynamo_recompiles_per_layer_name(entry):
-    """What the adapter removes: with names as strings, dynamo guards on each layer's name."""
+def test_plain_dynamo_recompiles_per_layer(entry):
+    """What the adapter removes: with names as strings, dynamo guards on each layer's name (on the CPU
+    fallback of vLLM 0.17-0.23, on the layer's identity first)."""
     result = run_in_process(entry, "eager", use_layername=False)
     assert result.compiles > 1, result.report
-    assert "self.layer_name == 'model.layers.0.mlp.experts'" in result.report
-    assert result.compiles < LAYERS  # dynamo's recompile limit: the last layers ran uncompiled
+    assert any(
+        "layer_name == 'model.layers.0.mlp.experts'" in f or "___check_obj_id" in f for f in result.guard_failures
+    ), result.report
+    assert result.limit_hits and result.compiles < LAYERS  # the last layers ran uncompiled
 
 
 def test_the_real_convention_is_adapted():
@@ -58,20 +76,30 @@ def test_the_real_convention_is_adapted():
     assert getattr(found.cls._encode_layer_name, "__moe_passes_original__", None) is not None
 
 
-def test_the_newest_mirror_matches_the_real_runner():
-    """tests/vllm_mirrors.py's 0.25-0.33 mirror: the same convention, signatures and LoRA marker."""
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+def _mirror_of(convention) -> type:
+    """The mirror in tests/vllm_mirrors.py that stands for the loaded release's convention."""
+    if convention.owner is None:
+        return mirrors.mirror_033()  # 0.25-0.33
+    return (mirrors.mirror_019 if convention.owner == "runner_init" else mirrors.mirror_022)()[0]
 
+
+def test_the_mirror_of_this_release_matches_the_real_runner():
+    """The mirror of the installed release's convention: the same decision, signatures of the methods the
+    adapter hooks or calls, and (0.25+) the LoRA marker the adapter reads."""
     vllm_adapter.register()
-    real = vllm_adapter.loaded_runner().cls
-    mirror = mirrors.mirror_033()
-    assert vllm_adapter.detect_api_shape(mirror) == vllm_adapter.detect_api_shape(real)
-    for name in ("forward", "_forward_impl", "_encode_layer_name"):
+    found = vllm_adapter.loaded_runner()
+    real, convention = found.cls, found.shape.convention
+    mirror = _mirror_of(convention)
+    assert vllm_adapter.detect_api_shape(mirror, found.owner_cls) == vllm_adapter.detect_api_shape(real, found.owner_cls)
+    for name in ("forward", convention.impl, "_encode_layer_name"):
         original = getattr(getattr(real, name), "__moe_passes_original__", getattr(real, name))
         real_parameters = list(inspect.signature(original).parameters)
         assert list(inspect.signature(getattr(mirror, name)).parameters) == real_parameters, name
-    assert 'self.lora_base_layer_prefix = ""' in inspect.getsource(RoutedExperts.__init__)
-    assert mirrors.routed_experts().lora_base_layer_prefix == ""
+    if convention.owner is None:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        assert 'self.lora_base_layer_prefix = ""' in inspect.getsource(RoutedExperts.__init__)
+        assert mirrors.routed_experts().lora_base_layer_prefix == ""
 
 
 WALK = textwrap.dedent(
@@ -107,6 +135,7 @@ def test_only_moe_classes_are_adapted():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     adapted = [line.split(" | ")[0] for line in result.stdout.splitlines() if " | " in line]
-    assert "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner" in adapted
+    vllm_adapter.register()
+    assert vllm_adapter.loaded_runner().qualified in adapted
     not_moe = [name for name in adapted if not any(w in name.rsplit(".", 1)[-1].lower() for w in ("moe", "expert"))]
     assert not not_moe, result.stdout

