@@ -106,24 +106,25 @@ def _dynamo_captures_one_graph(fn, *args) -> bool:
     return explanation.graph_break_count == 0
 
 
-def _cut_at_tensor_bounds(rows, offsets):
-    out = torch.zeros_like(rows)
-    out[offsets[0] : offsets[1]] = rows[offsets[0] : offsets[1]] * 2
-    return out
-
-
 def _cut_at_read_offsets(rows, offsets):
-    from moe_passes.adapters.hit_expert_loops import cut  # what the adapted count loop calls
+    from moe_passes.adapters.offset_slices import cut  # what the adapted count loop calls
 
     return cut(rows, offsets[0], offsets[1]) * 2
 
 
-# Catalog forms that slice rows at offsets read from the data, and the slice that dynamo must capture.
+def _write_over_offsets_read_once(rows, offsets):
+    from moe_passes.adapters.offset_slices import cut, offset, write  # what an adapted offset loop calls
+
+    out = torch.zeros_like(rows)
+    start, end = offset(offsets[0]), offset(offsets[1])
+    return write(out, cut(rows, start, end) * 2, start, end)
+
+
+# Catalog forms that slice rows at offsets read from the data, and the slice that dynamo must capture
+# in the adapted code.
 _DATA_DEPENDENT_SLICES = {
-    # Aria's module-level function slices with 0-dim tensor bounds and writes the result over the same
-    # rows (torch <= 2.10: "Dynamic slicing with Tensor arguments"; 2.11 cannot tell that the two
-    # slices have one size): outside a method the adapter rewrites.
-    "aria4_offset_segments": _cut_at_tensor_bounds,
+    # Aria's module-level function: bounds read once as numbers, rows cut and written over the same rows.
+    "aria4_offset_segments": _write_over_offsets_read_once,
     # The adapted count loop cuts at offsets read with .item().
     "deepseek_v2_count_loop": _cut_at_read_offsets,
 }

@@ -54,11 +54,13 @@ import types
 import torch
 
 from .count_loops import CountLoop, count_loop, reads_counts_as_numbers
+from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
     bindings,
     call_name,
+    decided,
     defining_bindings,
     function_source,
     stored_names,
@@ -469,9 +471,10 @@ class Plan:
     captures_scalars: bool = False  # per-expert counts are read as Python numbers (`.tolist()`)
     kept_guards: tuple[str, ...] = ()  # why guards of loops over the counts stay
     count_loops: tuple[CountLoop, ...] = ()  # loops over the counts whose guard goes
+    calls: dict = dataclasses.field(default_factory=dict)  # module functions cutting at offsets: their copies
 
     def changes_anything(self) -> bool:
-        return bool(self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars)
+        return bool(self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls)
 
 
 def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
@@ -518,9 +521,9 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         guards.extend(removable)
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
-    return fn_def, filename, Plan(
-        loops, guards, captures, reads_counts_as_numbers(fn_def, assignments), tuple(kept), tuple(count_loops)
-    )
+    calls = adapted_calls(fn)
+    scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments)
+    return fn_def, filename, Plan(loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls)
 
 
 def _selects_tokens(loop: ast.For) -> bool:
@@ -626,6 +629,13 @@ class _Rewrite(ast.NodeTransformer):
         self.by_line = {loop.line: loop for loop in plan.hit_loops}
         self.guards = set(plan.guards)
         self.count_loops = {loop.line: loop for loop in plan.count_loops}
+        self.calls = set(plan.calls)
+
+    def visit_Call(self, node: ast.Call):
+        node = self.generic_visit(node)
+        if isinstance(node.func, ast.Name) and node.func.id in self.calls:  # the copy that cuts at numbers
+            node.func = ast.copy_location(_parse_expr(f"{_HELPERS}.call_{node.func.id}"), node.func)
+        return node
 
     def visit_If(self, node: ast.If):
         if node.lineno in self.guards:  # a proved emptiness guard: its body runs unconditionally
@@ -757,22 +767,10 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
         capture = ast.parse(line).body[0]
         new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
     new_def.decorator_list = []
-    free = list(fn.__code__.co_freevars)
-    factory = ast.parse(f"def __moe_passes_factory({', '.join([*free, _HELPERS])}):\n    pass").body[0]
-    factory.body = [new_def, ast.Return(ast.Name(new_def.name, ast.Load()))]
-    module = ast.Module(body=[factory], type_ignores=[])
-    ast.fix_missing_locations(module)
-    code = compile(module, filename, "exec")
-    factory_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-    fn_code = next(c for c in factory_code.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
-    cells[_HELPERS] = types.CellType(_helpers_namespace())
-    closure = tuple(cells[name] for name in fn_code.co_freevars)
-    new_fn = types.FunctionType(fn_code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-    new_fn.__kwdefaults__ = fn.__kwdefaults__
-    new_fn.__qualname__ = fn.__qualname__
-    new_fn.__module__ = fn.__module__
-    return new_fn
+    helpers = _helpers_namespace()
+    for name, copy in plan.calls.items():
+        setattr(helpers, f"call_{name}", copy)
+    return compile_with_helpers(fn, new_def, filename, _HELPERS, helpers)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -808,22 +806,6 @@ def pick(container, row: torch.Tensor, index: int, every_row: bool):
     if every_row and (isinstance(container, torch.nn.Module) or row.dim() == 0):
         return container[index]
     return container[row]
-
-
-def cut(rows: torch.Tensor, start, end) -> torch.Tensor:
-    """rows[start:end] for offsets that may be 0-dim tensors, read as numbers with `.item()` (kept
-    symbolic by the trace; older dynamo refuses a slice with tensor bounds).
-
-    The offsets are running sums of per-expert counts over the rows being cut, so 0 <= start <= end
-    <= len(rows): the trace is told so (older torch cannot otherwise decide how slicing treats
-    symbolic bounds), and the compiled code checks it."""
-    start = start.item() if isinstance(start, torch.Tensor) else start
-    end = end.item() if isinstance(end, torch.Tensor) else end
-    torch._check(start >= 0)
-    torch._check(start <= rows.shape[0])
-    torch._check(end >= start)
-    torch._check(end <= rows.shape[0])
-    return rows[start:end]
 
 
 def index_value(row: torch.Tensor, index: int, every_row: bool):
@@ -930,12 +912,17 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         code = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or not _SIGNS & set(code.co_names):
+        if not isinstance(fn, types.FunctionType) or not (_SIGNS & set(code.co_names) or _calls_cumsum(fn)):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn)
         if traced is not None:
             found[name] = traced
     return found
+
+
+def _calls_cumsum(fn: types.FunctionType) -> bool:
+    """`fn` calls, by a global name, a function that computes a cumsum (offsets, maybe to cut at)."""
+    return any(sums_offsets(fn.__globals__.get(name)) for name in fn.__code__.co_names)
 
 
 def traceable_forward_of(cls: type) -> types.FunctionType | None:
@@ -945,20 +932,17 @@ def traceable_forward_of(cls: type) -> types.FunctionType | None:
 
 def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType | None:
     key = (cls, name)
-    if key not in _DECISIONS:
-        where = f"{cls.__module__}.{cls.__qualname__}.{name}"
-        try:
-            if getattr(fn, "__wrapped__", None) is not None:
-                raise NotAdaptable(f"{name} is wrapped by a decorator")
-            fn_def, filename, plan = analyse(fn)
-            _DECISIONS[key] = rewrite(fn, fn_def, filename, plan) if plan.changes_anything() else "nothing to adapt"
-            _KEPT_GUARDS.update({key: [f"{where}: {reason}" for reason in plan.kept_guards]} if plan.kept_guards else {})
-        except NotAdaptable as exc:
-            _DECISIONS[key] = f"{where}: {exc}"
-            log.info("expert loop not adapted: %s", _DECISIONS[key])
-        except Exception as exc:  # noqa: BLE001 - unusual source: leave it as written, never fail the compile
-            _DECISIONS[key] = f"{where}: source not understood ({type(exc).__name__}: {exc})"
-            log.info("expert loop not adapted: %s", _DECISIONS[key])
+    where = f"{cls.__module__}.{cls.__qualname__}.{name}"
+
+    def decide():
+        if getattr(fn, "__wrapped__", None) is not None:
+            raise NotAdaptable(f"{name} is wrapped by a decorator")
+        fn_def, filename, plan = analyse(fn)
+        if plan.kept_guards:
+            _KEPT_GUARDS[key] = [f"{where}: {reason}" for reason in plan.kept_guards]
+        return rewrite(fn, fn_def, filename, plan) if plan.changes_anything() else "nothing to adapt"
+
+    decided(_DECISIONS, key, where, decide, "expert loop")
     decision = _DECISIONS[key]
     return decision if isinstance(decision, types.FunctionType) else None
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import textwrap
+
+log = logging.getLogger(__name__)
 
 # Methods that view, cast or copy a tensor without changing which values it holds where.
 VIEW_METHODS = {"permute", "transpose", "view", "reshape", "contiguous", "to", "int", "long", "bool", "float"}
@@ -102,3 +105,19 @@ def defining_bindings(name: str, assignments: dict) -> list | None:
         return None
     defining = [b for b in bound if viewed_name(b.value, VIEW_METHODS | {"cpu"}) != name]
     return defining or None
+
+
+def decided(cache: dict, key, where: str, decide, kind: str):
+    """`cache[key]`, from `decide()` the first time: its result, or the reason (naming `where`) when the
+    source does not prove the adaptation or cannot be read. Never raises: unusual source is left as
+    written and the compile goes on."""
+    if key not in cache:
+        try:
+            cache[key] = decide()
+        except NotAdaptable as exc:
+            cache[key] = f"{where}: {exc}"
+            log.info("%s not adapted: %s", kind, cache[key])
+        except Exception as exc:  # noqa: BLE001 - unusual source: leave it as written, never fail the compile
+            cache[key] = f"{where}: source not understood ({type(exc).__name__}: {exc})"
+            log.info("%s not adapted: %s", kind, cache[key])
+    return cache[key]
