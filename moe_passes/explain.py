@@ -352,9 +352,10 @@ def _frames(text: str) -> list[Frame]:
 def _guard_summary(failure: str) -> str:
     """A failed guard on one line, with the source comment dynamo puts after it: an object's guard
     spans the lines of its repr (`___check_obj_id(self, N), type=FusedMoE(` ... `)  # code  # file:line`)."""
-    lines = [line.strip() for line in failure.splitlines() if line.strip()]
-    if len(lines) > 1 and "  # " in lines[-1] and "  # " not in lines[0]:
-        return f"{lines[0]} ... {lines[-1]}"
+    lines = [line.strip() for line in failure.split("User stack trace:", 1)[0].splitlines() if line.strip()]
+    commented = [line for line in lines[1:] if "  # " in line]
+    if commented and "  # " not in lines[0]:
+        return f"{lines[0]} ... {commented[-1]}"
     return lines[0] if lines else ""
 
 

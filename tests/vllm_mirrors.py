@@ -1,8 +1,9 @@
 """Small classes that mirror the structure of vLLM's MoE layers, for testing the vLLM adapter here.
 
-Real vLLM runs in its own environment (`tools/vllm_env.py`, `tests/test_vllm_real.py`: 0.32.0 and 0.17.1,
-where the mirror of each is checked against the real classes); these mirrors keep every convention the
-adapter knows tested in the main suite, including 0.20-0.22, which needs a torch 2.11 build. What the adapter detects and
+Real vLLM runs in its own environment (`tools/vllm_env.py`, `tests/test_vllm_real.py`: 0.32.0, 0.22.1 and
+0.17.1, where the mirror of each convention is checked against the real classes); vLLM pins its own torch
+and transformers, so it cannot share the main suite's environment, and these mirrors keep every
+convention the adapter knows tested there. What the adapter detects and
 hooks is mirrored from vLLM's sources, release by release: the class layout, the attribute holding the opaque op, `_encode_layer_name`,
 the op's body (find the layer by name in the forward context, run the impl), and the impl's signature.
 The MoE compute is the catalog's (`patterns/vllm_fused_moe.py`: vLLM's routing and the Gaudi static
