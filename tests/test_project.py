@@ -19,7 +19,7 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_test_one():
     assert "pytest" in test and "ruff check" in test and test.index("ruff") < test.index("pytest")
     ci = (ROOT / ".ci" / "run").read_text()
     assert test in ci
-    assert ci.index(test) < ci.index("tools/vllm_env.py test")  # then the real-vLLM tests, in vLLM's env
+    assert ci.index(test) < ci.index("tools/vllm_env.py test --vllm")  # then the real-vLLM tests, in vLLM's env
 
 
 def runtime_requirements() -> list[str]:
