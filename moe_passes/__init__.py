@@ -10,9 +10,11 @@ from .adapters import adapt, install_discovery_hook
 from .backend import hpu_moe
 from .explain import explain, explaining
 from .options import Options
+from .passes.pipeline import FORMS
 from .report import Declined, Fused, Report
 
 __all__ = [
+    "FORMS",
     "Declined",
     "Fused",
     "Options",

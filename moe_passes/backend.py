@@ -9,10 +9,8 @@ the user's compile never breaks because of this package.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
 import warnings
 
 import torch
@@ -21,13 +19,17 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from . import lowering
 from .adapters import install_discovery_hook
+from .adapters.base import BACKEND_MARK
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
+from .fx_utils import source_line
 from .ir import carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes import already_fused
-from .passes.pipeline import fuse_moe, layer_name
-from .printer import format_graph
-from .report import AlreadyFused, Declined, GraphRecord, collecting_now, next_graph_index, publish
+from .passes.matches import RoutingInfo
+from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
+from .printer import format_graph, node_lines
+from .report import AlreadyFused, Declined, Fused, GraphRecord, next_graph_index, publish
+from .steps import Steps, count, keep_graph_texts, trace_artifact
 from .verify import compare_rewrite
 
 log = logging.getLogger(__name__)
@@ -63,24 +65,31 @@ def rewrite_graph(
     gm: torch.fx.GraphModule, example_inputs, options: Options, target: str, record: GraphRecord
 ):
     """The canonical graph with every fusable MoE layer rewritten, or None to keep `gm` as captured."""
-    detail = _keep_graph_texts()
-    with _timed(record, "canonicalize"):
+    steps = Steps(record)
+    with steps.step("canonicalize"):
         canonical = to_canonical_aten(gm, example_inputs)
-    if detail:
-        record.captured = format_graph(canonical)
-        _trace_artifact(f"moe_passes_graph_{record.index}_before", lambda: record.captured)
-        log.debug("graph %d before the MoE rewrite:\n%s", record.index, record.captured)
+    steps.graph("before", canonical)
     record.already_fused.extend(
         AlreadyFused(layer_name(c.node), c.overload, c.num_experts, c.experts_min, c.experts_max, record.index)
         for c in already_fused.find(canonical.graph)
     )
-    with _timed(record, "fuse"):
-        fused, declined = fuse_moe(canonical, target, record.index, strict=options.strict)
-    record.declined.extend(declined)
-    if not fused:
+    with steps.step("find"):
+        found = find_layers(canonical.graph, options.forms, strict=options.strict)
+    record.declined.extend(_declined(found, canonical, record.index))
+    if found.internal_errors:
+        count("internal_errors", len(found.internal_errors))
+        warnings.warn(
+            f"hpu_moe: internal error in a finder, its layer left unrewritten: {found.internal_errors[0]}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if not found.accepted:
         return None
+    with steps.step("rewrite"):
+        nodes = apply(canonical, found, target)
+    fused = [_fused(a, node, target, record.index) for a, node in zip(found.accepted, nodes, strict=True)]
     if options.verify:
-        with _timed(record, "verify"):
+        with steps.step("verify"):
             worst, ok = compare_rewrite(gm, canonical, example_inputs)
         if not ok:
             record.declined.extend(
@@ -98,37 +107,61 @@ def rewrite_graph(
     record.fused.extend(fused)
     views_to_reshapes(canonical)
     carry_dynamo_metadata(gm, canonical)
-    if detail:
-        record.rewritten = format_graph(canonical)
-        _trace_artifact(f"moe_passes_graph_{record.index}_after", lambda: record.rewritten)
-        log.debug("graph %d after the MoE rewrite:\n%s", record.index, record.rewritten)
+    steps.graph("after", canonical)
     return canonical
 
 
-def _keep_graph_texts() -> bool:
-    """Print graphs only for someone who reads them: explain(), TORCH_TRACE, TORCH_LOGS=+moe_passes."""
-    trace_log = getattr(getattr(torch._logging, "_internal", None), "trace_log", None)
-    return (
-        collecting_now()
-        or bool(trace_log is not None and trace_log.handlers)
-        or log.isEnabledFor(logging.DEBUG)
+def _declined(found: Found, canonical: torch.fx.GraphModule, graph_index: int) -> list[Declined]:
+    """The report's entries for what the pass left as it was, naming nodes as the graph prints them."""
+    printed = node_lines(canonical) if found.rejected else {}
+    return [
+        Declined(r.layer, r.form, r.reason, graph_index, stopped_at=_where(r.stopped_at, printed))
+        for r in found.rejected
+    ]
+
+
+def _where(node: torch.fx.Node | None, printed: dict) -> str:
+    """A node as the captured graph prints it, with the user source line that produced it."""
+    if node is None:
+        return ""
+    line = printed.get(node, node.name)
+    source = source_line(node)
+    return f"{line}  [{source}]" if source else line
+
+
+def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: int) -> Fused:
+    match = accepted.match
+    return Fused(
+        layer=accepted.layer,
+        form=match.form,
+        num_experts=match.num_experts,
+        top_k=match.top_k,
+        activation=match.activation,
+        overload=f"{node.target._schema.name}.{node.target._overloadname}",
+        target=target,
+        routing=routing_text(accepted.routing),
+        graph=graph_index,
+        experts_min=match.experts_min,
+        router_experts=accepted.routing.num_experts,
     )
 
 
-@contextlib.contextmanager
-def _timed(record: GraphRecord, step: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        record.seconds[step] = record.seconds.get(step, 0.0) + time.perf_counter() - start
-
-
-def _trace_artifact(name: str, payload_fn, encoding: str = "string") -> None:
-    """Leave a pass's graph or decisions in TORCH_TRACE output for tlparse (free when tracing is off)."""
-    trace = getattr(torch._logging, "trace_structured", None)
-    if trace is not None:
-        trace("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
+def routing_text(info: RoutingInfo) -> str:
+    """"softmax_topk, renormalised, fp32 softmax", as the report prints the routing of a fused layer."""
+    if info.kind == "opaque":
+        return "opaque (ids and weights used as produced)"
+    parts = [info.kind]
+    if info.bias_corrected:
+        parts.append("bias-corrected")
+    if info.grouped:
+        parts.append("grouped")
+    if info.kind in ("softmax_topk", "sigmoid_topk"):
+        parts.append("renormalised" if info.renormalized else "not renormalised")
+    if info.softmax_fp32:
+        parts.append("fp32 softmax")
+    if info.scale is not None:
+        parts.append(f"scaled x{info.scale:g}")
+    return ", ".join(parts)
 
 
 def _compile_id() -> str | None:
@@ -168,10 +201,13 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             record.fallback = f"internal error, graph left unrewritten: {type(error).__name__}: {error}"
             warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
             log.warning("hpu_moe fell back to the captured graph", exc_info=True)
-    if record.captured is None and _keep_graph_texts():
+    if record.captured is None and keep_graph_texts():
         record.captured = format_graph(gm)  # not rewritten: the graph as dynamo captured it
     publish(record)
-    _trace_artifact(
+    count("fused", len(record.fused))
+    count("declined", len(record.declined))
+    count("fallbacks", record.fallback is not None)
+    trace_artifact(
         f"moe_passes_graph_{record.index}_decisions", lambda: dataclasses.asdict(record), encoding="json"
     )
     for f in record.fused:
@@ -181,10 +217,10 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     for d in record.declined:
         log.info("declined %s (%s): %s", d.candidate, d.form, d.reason)
     if graph is gm:
-        with _timed(record, "inner compile"):
+        with Steps(record).step("inner compile"):
             return _compile_captured(compiler, opts.inner, gm, example_inputs, mode, record)
     try:
-        with _timed(record, "inner compile"):
+        with Steps(record).step("inner compile"):
             return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
         record.fallback = (
@@ -199,6 +235,9 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         record.rewritten = None
         warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
         return _compile_inner(compiler, opts.inner, gm, example_inputs, mode)
+
+
+setattr(hpu_moe, BACKEND_MARK, hpu_moe)
 
 
 def _compile_captured(compiler, inner, gm, example_inputs, mode, record: GraphRecord):

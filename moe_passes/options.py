@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from .lowering import TARGETS
+from .passes.pipeline import FORMS
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class Options:
     strict:  decline (with the reason) every match whose rewrite rounds a value the model keeps wider
              than the hidden dtype (float32 router weights, or a float32 combine, under bfloat16
              experts): for users who need bit-for-bit routing rather than agreement within tolerance.
+    forms:   the expert forms to look for, by name (default: all of `moe_passes.FORMS`); naming a
+             subset turns the others off, to bisect which finder made a rewrite.
     """
 
     inner: str | Callable | None = None
@@ -29,6 +32,7 @@ class Options:
     enabled: bool = True
     adapters: bool = True
     strict: bool = False
+    forms: tuple[str, ...] | None = None
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -42,6 +46,8 @@ class Options:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown hpu_moe option(s) {unknown}; known options: {sorted(known)}")
+        if options.get("forms") is not None:
+            options = {**options, "forms": _form_names(options["forms"])}
         parsed = cls(**options)
         if parsed.target not in TARGETS:
             raise ValueError(f"hpu_moe option target must be one of {TARGETS}, got {parsed.target!r}")
@@ -51,3 +57,12 @@ class Options:
             if not isinstance(getattr(parsed, flag), bool):
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
         return parsed
+
+
+def _form_names(forms) -> tuple[str, ...]:
+    if isinstance(forms, str) or not all(isinstance(f, str) for f in forms):
+        raise TypeError("hpu_moe option forms must be a list of form names, e.g. ['grouped_mm']")
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        raise ValueError(f"unknown hpu_moe form(s) {unknown}; known forms: {list(FORMS)}")
+    return tuple(forms)

@@ -131,7 +131,7 @@ def test_internal_error_falls_back_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("simulated bug")
 
-    monkeypatch.setattr(backend, "fuse_moe", broken)
+    monkeypatch.setattr(backend, "find_layers", broken)
     model, inputs = _form()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

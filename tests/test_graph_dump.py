@@ -98,7 +98,7 @@ def test_transformers_families_in_every_format(family, implementation, capsys, t
     (fused,) = report.fused
     assert fused.form == implementation and fused.max_error is not None and fused.max_error < 1e-4
     assert "max error" in (out / "report.txt").read_text()
-    assert set(report.pass_seconds) >= {"canonicalize", "fuse", "verify", "inner compile"}
+    assert set(report.pass_seconds) >= {"canonicalize", "find", "rewrite", "verify", "inner compile"}
 
 
 def test_text_is_coloured_only_when_asked(capsys):

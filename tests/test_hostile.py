@@ -9,6 +9,7 @@ one warning, the captured graph runs), and every malformed option failing the co
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -201,7 +202,6 @@ def _boom(*args, **kwargs):
     "where",
     [
         "moe_passes.backend.to_canonical_aten",
-        "moe_passes.passes.experts_batched_mm.match_at",
         "moe_passes.passes.pipeline.check",
         "moe_passes.passes.pipeline.rewrite_experts",
         "moe_passes.passes.rewrite.lowering.call_arguments",
@@ -218,6 +218,34 @@ def test_a_fault_in_any_stage_falls_back_with_exactly_one_warning(monkeypatch, w
     assert "injected fault" in str(ours[0].message)
     assert not recorder.fused_nodes() and not report.fused
     assert len(report.fallbacks) == 1 and "internal error" in report.fallbacks[0]
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_finder_that_raises_declines_its_layer_and_the_others_still_fuse(monkeypatch):
+    """A bug in one finder costs the candidate it was reading, not the graph: one warning, one decline
+    naming the form, every other layer fused."""
+    import moe_passes.passes.experts_batched_mm as finder
+    import moe_passes.passes.pipeline as pipeline
+
+    original, calls = finder.match_at, []
+
+    def first_raises(node):
+        calls.append(node)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return original(node)
+
+    broken = dataclasses.replace(finder.FINDER, match=first_raises)
+    monkeypatch.setattr(pipeline, "FINDERS", tuple(broken if f is finder.FINDER else f for f in pipeline.FINDERS))
+    model, inputs = FORMS["hf_batched_mm"].build()  # two layers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report, output, recorder = run_hpu_moe(model, inputs)
+    ours = [w for w in caught if "hpu_moe" in str(w.message)]
+    assert len(ours) == 1 and "injected fault" in str(ours[0].message), [str(w.message) for w in ours]
+    assert len(recorder.fused_nodes()) == 1 and len(report.fused) == 1, str(report)
+    assert [d.reason for d in report.declined] == ["internal error in batched_mm: RuntimeError: injected fault"]
+    assert not report.fallbacks
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 

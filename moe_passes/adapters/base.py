@@ -12,6 +12,9 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV_VAR = "MOE_PASSES_ADAPTERS"
+# Set on the hpu_moe backend function (to itself): how a compile's backend is recognised without
+# importing it (the backend imports the adapters).
+BACKEND_MARK = "__moe_passes_backend__"
 _ADAPTED: dict[type, str] = {}  # class -> adapter name
 
 
@@ -26,11 +29,9 @@ def _hpu_moe_options_of(compiler) -> dict | None:
     Dynamo wraps the backend (debug wrapper, torch.compile's options wrapper, explain's partial); walk
     the wrappers down to the function and keep the options met on the way.
     """
-    from ..backend import hpu_moe
-
     options: dict | None = None
     for _ in range(8):
-        if compiler is hpu_moe:
+        if getattr(compiler, BACKEND_MARK, None) is compiler:  # wrappers copy the mark: the function itself
             return options if options is not None else {}
         if isinstance(compiler, functools.partial):
             options = compiler.keywords.get("options", options)

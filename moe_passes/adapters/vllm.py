@@ -381,10 +381,9 @@ def register() -> None:
                 importlib.import_module(module_name)
             except ImportError:
                 continue  # this vLLM keeps its MoE classes elsewhere
+        # Importing this module ran the package's __init__, which installed the discovery hook: a runner
+        # module imported later is adapted before dynamo compiles it.
         adapted = install_if_loaded()
-        from .discovery import install_discovery_hook
-
-        install_discovery_hook()  # catches the runner if its module is imported later
         log.info("moe-passes vLLM plugin: %s", ", ".join(adapted) or "no class adapted by this call")
     except Exception as error:  # noqa: BLE001 - a plugin must not stop vLLM
         log.warning("moe-passes vLLM plugin: adapter not installed (%s: %s)", type(error).__name__, error)

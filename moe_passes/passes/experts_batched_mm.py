@@ -18,20 +18,13 @@ from torch.fx import Node
 from ..fx_utils import const_int, is_call, is_cast, shape, slot_table, strip_casts, strip_shape_ops, within
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
+from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate
 from .sentinels import through_id_clamp
 
 aten = torch.ops.aten
 FORM = "batched_mm"
-
-
-def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    results = []
-    for node in graph.nodes:
-        if is_call(node, aten.sum.dim_IntList) and _near_bmm_of_gathered_weights(node):
-            results.append(match_at(node))
-    return results
 
 
 def _near_bmm_of_gathered_weights(node: Node) -> bool:
@@ -84,27 +77,34 @@ def _first_expand(node: Node) -> Node:
     return node
 
 
-def match_at(out: Node) -> ExpertsMatch | Decline:
-    def no(reason: str, at: Node | None = None) -> Decline:
-        return Decline(FORM, reason, out, at)
-
+def _read_tail(out: Node) -> tuple:
+    """(k, the batched down projection, the slot weights, its bias and bias ids) of
+    `(bmm(W_down[ids], h) [+ b] * w).view(T, k, H).sum(1)`, else (why not, where)."""
     view = out.args[0]
     if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
-        return no("the k-slot reduction is not a sum over dim 1 of a [T, k, H] view")
+        return "the k-slot reduction is not a sum over dim 1 of a [T, k, H] view", None
     top_k = const_int(shape(view)[1])
     weighted = strip_shape_ops(view)
     if not is_call(weighted, aten.mul.Tensor):
-        return no("routing weights do not scale the expert outputs", weighted)
-    down = None
+        return "routing weights do not scale the expert outputs", weighted
     for a, b in ((weighted.args[0], weighted.args[1]), (weighted.args[1], weighted.args[0])):
         if not (isinstance(a, Node) and isinstance(b, Node)):
             continue
         unbiased, down_bias, down_bias_ids = _with_bias(strip_casts(a))
-        if _batched_linear(unbiased) is not None:
-            down, slot_weights = _batched_linear(unbiased), b
-            break
-    if down is None:
-        return no("routing weights do not multiply the output of a batched down projection", weighted)
+        down = _batched_linear(unbiased)
+        if down is not None:
+            return top_k, down, b, down_bias, down_bias_ids
+    return "routing weights do not multiply the output of a batched down projection", weighted
+
+
+def match_at(out: Node) -> ExpertsMatch | Decline:
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, out, at)
+
+    tail = _read_tail(out)
+    if isinstance(tail[0], str):
+        return no(*tail)
+    top_k, down, slot_weights, down_bias, down_bias_ids = tail
     down_in, down_w, down_ids, down_out_in = down
     gate = stacked_gate(down_in)
     if isinstance(gate, str):
@@ -152,3 +152,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         **bias_fields(swiglu, up_bias, down_bias),
         assumes_ids_in_range=ids_clamped,
     )
+
+
+# The k-slot sum that ends the region anchors it.
+FINDER = Finder(FORM, (aten.sum.dim_IntList,), each_anchor(_near_bmm_of_gathered_weights), match_at)

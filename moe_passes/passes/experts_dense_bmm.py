@@ -23,6 +23,7 @@ from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops
 from . import probe
 from .biases import bias_fields
 from .experts_dense_loop import is_zero_init
+from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate, stacked_weight
 
@@ -44,19 +45,20 @@ def _input_scaled_repeat(node: Node) -> bool:
     return any(isinstance(a, Node) and is_call(strip_shape_ops(a), aten.repeat.default) for a in node.args)
 
 
-def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    results = []
-    for node in graph.nodes:
-        if is_call(node, aten.bmm.default):
-            inputs, weights = node.args
-            if len(shape(weights) or ()) == 3 and strip_shape_ops(weights).op == "placeholder":
-                if _input_scaled_repeat(inputs):
-                    results.append(Decline(FORM, REASON, node))
-        elif is_call(node, aten.sum.dim_IntList) and _sums_leading_dim(node):
-            result = match_at(node)
-            if result is not None:
-                results.append(result)
-    return results
+def _is_candidate(node: Node) -> bool:
+    """A sum over the expert dim, or a bmm of stacked weights whose inputs are scaled (Llama4)."""
+    if is_call(node, aten.sum.dim_IntList):
+        return _sums_leading_dim(node)
+    inputs, weights = node.args
+    return (
+        len(shape(weights) or ()) == 3
+        and strip_shape_ops(weights).op == "placeholder"
+        and _input_scaled_repeat(inputs)
+    )
+
+
+def _read(node: Node) -> ExpertsMatch | Decline | None:
+    return Decline(FORM, REASON, node) if is_call(node, aten.bmm.default) else match_at(node)
 
 
 def _sums_leading_dim(node: Node) -> bool:
@@ -210,3 +212,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         down=ExpertWeights(stacked=down, out_in=down_out_in),
         **bias_fields(gate.swiglu, up_bias, down_bias),
     )
+
+
+# The sum over the expert dim ends the region; a bmm of input-scaled rows is the Llama4 near miss.
+FINDER = Finder(FORM, (aten.sum.dim_IntList, aten.bmm.default), each_anchor(_is_candidate), _read)

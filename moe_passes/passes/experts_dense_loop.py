@@ -27,6 +27,7 @@ from ..fx_utils import (
     strip_shape_ops,
 )
 from . import probe
+from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import ClampedSwiglu, Projection, activation_of, clamped_swiglu, gated_product, halves, projection
 
@@ -203,28 +204,38 @@ def _passes_through(node: Node) -> bool:
     return strip_casts(node) is not node
 
 
-def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    terms = {}
-    for node in graph.nodes:
-        if is_call(node, aten.mul.Tensor, aten.mm.default, aten._unsafe_view.default, aten.view.default):
-            term = read_term(node)
-            if term is not None:
-                terms[node] = term
-    results = []
+# Nodes that may end one expert's weighted term: `MLP_e(x) * c_e`, or a projection by a weighted input.
+TERM_ENDS = (aten.mul.Tensor, aten.mm.default, aten._unsafe_view.default, aten.view.default)
+
+
+def _candidates(graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
+    """Every maximal sum of expert terms (the roots of add trees) with a routing-weighted member."""
+    terms = {node: term for node in anchors if (term := read_term(node)) is not None}
+    found = []
     for root, leaves in _accumulations(graph, terms):
         members = [terms[n] for n in leaves]
         if all(t.coefficient is None and t.input_scaled_by is None for t in members):
             continue  # a sum of plain MLPs (e.g. parallel dense MLPs) is not an MoE candidate
-        results.append(_match_peeling_last_term(root, members, terms))
-    return results
+        found.append(Candidate(root, Accumulation(root, members, terms)))
+    return found
 
 
-def _match_peeling_last_term(root: Node, members: list[ExpertTerm], terms: dict) -> ExpertsMatch | Decline:
+@dataclass(frozen=True)
+class Accumulation:
+    """A sum of expert terms: its root `add`, its terms in graph order, and every term of the graph."""
+
+    root: Node
+    members: list[ExpertTerm]
+    terms: dict
+
+
+def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
     """The match for the whole sum, else for the sum without its last addend (a shared expert added
     after the loop, `out + shared(x)` or Qwen2-MoE's `sigmoid(g(x)) * shared(x)`), which then stays
     beside the fused call; else the first decline. An addend weighted by the routing itself (an odd
     routed expert) is never peeled off: that region is declined as a whole.
     """
+    root, members, terms = accumulation.root, accumulation.members, accumulation.terms
     result = match_terms(root, members)
     if isinstance(result, ExpertsMatch) or not is_call(root, aten.add.Tensor):
         return result
@@ -255,28 +266,9 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(form, reason, root, at)
 
-    if any(t.coefficient is None for t in terms):
-        scaled = [t for t in terms if t.input_scaled_by is not None]
-        if scaled:
-            return no(
-                "routing weights scale each expert's input, not its output; the fused kernel weights "
-                "outputs, and with a non-linear MLP the two are not equal",
-                scaled[0].hidden,  # the product of the input and the routing weight
-            )
-        unweighted = next(t for t in terms if t.coefficient is None)
-        return no("some experts' outputs are summed without a routing weight", unweighted.term)
-    activations = {t.activation_desc for t in terms}
-    if len(activations) > 1:
-        odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
-        return no(
-            f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one",
-            _activation_node(odd),
-        )
-    if terms[0].activation is None:
-        return no(
-            f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)",
-            _activation_node(terms[0]),
-        )
+    uniform = _uniform_terms(terms)
+    if uniform is not None:
+        return no(*uniform)
     hidden = {t.hidden for t in terms}
     if len(hidden) != 1:
         return no("experts do not all read the same hidden states")
@@ -322,6 +314,33 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
         down=down,
         **biases,
     )
+
+
+def _uniform_terms(terms: list[ExpertTerm]) -> tuple[str, Node | None] | None:
+    """(why not, where) unless every term is routing-weighted on its output with one supported activation."""
+    if any(t.coefficient is None for t in terms):
+        scaled = [t for t in terms if t.input_scaled_by is not None]
+        if scaled:
+            return (
+                "routing weights scale each expert's input, not its output; the fused kernel weights "
+                "outputs, and with a non-linear MLP the two are not equal",
+                scaled[0].hidden,  # the product of the input and the routing weight
+            )
+        unweighted = next(t for t in terms if t.coefficient is None)
+        return "some experts' outputs are summed without a routing weight", unweighted.term
+    activations = {t.activation_desc for t in terms}
+    if len(activations) > 1:
+        odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
+        return (
+            f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one",
+            _activation_node(odd),
+        )
+    if terms[0].activation is None:
+        return (
+            f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)",
+            _activation_node(terms[0]),
+        )
+    return None
 
 
 def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | str | None:
@@ -532,3 +551,6 @@ def _routing_width(ids: Node) -> int | None:
     from .routing import describe
 
     return describe(ids, ids).num_experts
+
+
+FINDER = Finder(FORM, TERM_ENDS, _candidates, match_accumulation)

@@ -28,6 +28,7 @@ from ..fx_utils import (
 )
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
+from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate, stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
@@ -55,14 +56,6 @@ def _grouped_args(node: Node) -> tuple[Node, Node, Node] | None:
     return args[0], args[1], offs
 
 
-def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    results = []
-    for node in graph.nodes:
-        if is_call(node, aten.sum.dim_IntList) and _feeds_from_grouped_mm(node):
-            results.append(match_at(node))
-    return results
-
-
 def _feeds_from_grouped_mm(node: Node) -> bool:
     """Cheap pre-filter: a grouped_mm within a few steps above the sum."""
     return within(node, 10, is_grouped_mm)
@@ -72,22 +65,10 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, out, at)
 
-    dims = out.args[1]
-    view = out.args[0]
-    if list(dims) not in ([1], [-2]) or len(shape(view)) != 3:
-        return no("the k-slot reduction is not a sum over dim 1 of a [T, k, H] view")
-    tokens, top_k, hidden = shape(view)
-    top_k = const_int(top_k)
-    unpermuted = strip_shape_ops(view)
-    if not (is_call(unpermuted, aten.index.Tensor) and len(unpermuted.args[1]) == 1):
-        return no("expert outputs are not gathered back to token order before the sum", unpermuted)
-    weighted, inverse = unpermuted.args[0], unpermuted.args[1][0]
-    perm = _inverse_of(inverse)
-    if perm is None:
-        return no("the gather back to token order is not the inverse of the sort permutation", inverse)
-
-    if not is_call(weighted, aten.mul.Tensor):
-        return no("routing weights do not scale the expert outputs", weighted)
+    combine = _read_combine(out)
+    if isinstance(combine, tuple) and isinstance(combine[0], str):
+        return no(*combine)
+    top_k, weighted, perm = combine
     bounds: list[int] = []  # the expert count each sentinel mask tests against (transformers 5.17)
 
     def unmask(node: Node) -> Node:
@@ -103,47 +84,27 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     flat_weights = _gathered_by(slot_weights, perm)
     if flat_weights is None:
         return no("routing weights are not permuted like the tokens", slot_weights)
-
     down_in, down_w, offs = _grouped_args(down_mm)
     num_experts = _offsets_bins(offs)
     gate = stacked_gate(down_in)
     if isinstance(gate, str):
         return no(gate, down_in)
-    swiglu, activation, gate_up_out = gate.swiglu, gate.activation, gate.gate_up_output
-    gate_up_mm, up_bias, up_bias_ids = _with_bias(unmask(gate_up_out))
-    if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
-        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_out)
-    biases_clamped = False
-    if swiglu is not None:  # transformers 5.17 gathers biases with sorted ids clamped to 0..E-1
-        up_bias_ids, up_clamped = through_id_clamp(up_bias_ids, num_experts)
-        down_bias_ids, down_clamped = through_id_clamp(down_bias_ids, num_experts)
-        biases_clamped = up_clamped or down_clamped
-    if swiglu is not None and not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
-        return no("expert biases are not gathered with the sorted expert ids", up_bias_ids)
+    gate_up_mm, up_bias, up_bias_ids = _with_bias(unmask(gate.gate_up_output))
+    biases = _read_biases(gate.swiglu, (up_bias, up_bias_ids), (down_bias, down_bias_ids), num_experts, perm)
+    if isinstance(biases, tuple):
+        return no(biases[0], biases[1] if biases[1] is not None else gate.gate_up_output)
     if not is_grouped_mm(gate_up_mm):
         return no("gate/up is not produced by a grouped matmul", gate_up_mm)
     rows, gate_up_w, offs_up = _grouped_args(gate_up_mm)
     if offs_up is not offs:
         return no("the two grouped matmuls use different group offsets", gate_up_mm)
-
-    ids_flat = _offsets_source(offs, perm)
-    if ids_flat is None:
-        return no("group offsets are not the per-expert counts of the sorted ids", offs)
-    hidden_states = _rows_source(unmask(rows), perm, top_k)
-    if hidden_states is None:
-        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", rows)
-    ids, weights = slot_table(ids_flat, top_k), slot_table(flat_weights, top_k)
-    if ids is None or weights is None or shape(weights) != shape(ids):
-        return no("routing ids and weights are not [T, k] tensors of the same shape", ids_flat)
-
-    gate_up, gate_up_out_in = stacked_weight(gate_up_w)
-    down, down_out_in = stacked_weight(down_w)
-    if len(shape(gate_up)) != 3 or len(shape(down)) != 3:
-        return no("expert weights are not stacked [E, ., .] tensors", gate_up_w)
-    if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:
-        return no("the number of stacked experts differs from the histogram bins", offs)
-    if any(bound != num_experts for bound in bounds):
-        return no("rows are masked against another expert count than the experts held", offs)
+    slots = _read_slots(offs, perm, unmask(rows), flat_weights, top_k)
+    if isinstance(slots[0], str):
+        return no(*slots)
+    hidden_states, ids, weights = slots
+    stacks = _stacks(gate_up_w, down_w, num_experts, bounds)
+    if isinstance(stacks[0], str):
+        return no(stacks[0], {"weights": gate_up_w, "offsets": offs}.get(stacks[1], stacks[1]))
     return ExpertsMatch(
         form=FORM,
         output=_final_output(out),
@@ -152,12 +113,75 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         weights=weights,
         num_experts=num_experts,
         top_k=top_k,
-        activation=activation,
-        gate_up=ExpertWeights(stacked=gate_up, out_in=gate_up_out_in),
-        down=ExpertWeights(stacked=down, out_in=down_out_in),
-        **bias_fields(swiglu, up_bias, down_bias),
-        assumes_ids_in_range=bool(bounds) or biases_clamped,
+        activation=gate.activation,
+        gate_up=stacks[0],
+        down=stacks[1],
+        **bias_fields(gate.swiglu, up_bias, down_bias),
+        assumes_ids_in_range=bool(bounds) or biases,
     )
+
+
+def _read_slots(offs: Node, perm: Node, rows: Node, flat_weights: Node, top_k: int) -> tuple:
+    """(x, ids [T, k], weights [T, k]) that the sorted rows, offsets and weights were made from, else
+    (why not, where)."""
+    ids_flat = _offsets_source(offs, perm)
+    if ids_flat is None:
+        return "group offsets are not the per-expert counts of the sorted ids", offs
+    hidden_states = _rows_source(rows, perm, top_k)
+    if hidden_states is None:
+        return "the grouped rows are not the tokens repeated per slot (x[perm // k])", rows
+    ids, weights = slot_table(ids_flat, top_k), slot_table(flat_weights, top_k)
+    if ids is None or weights is None or shape(weights) != shape(ids):
+        return "routing ids and weights are not [T, k] tensors of the same shape", ids_flat
+    return hidden_states, ids, weights
+
+
+def _stacks(gate_up_w: Node, down_w: Node, num_experts: int | None, bounds: list[int]) -> tuple:
+    """(gate_up, down) ExpertWeights of [E, ., .] stacks of the histogram's E experts, else (why not,
+    "weights" or "offsets": which to point at)."""
+    gate_up, gate_up_out_in = stacked_weight(gate_up_w)
+    down, down_out_in = stacked_weight(down_w)
+    if len(shape(gate_up)) != 3 or len(shape(down)) != 3:
+        return "expert weights are not stacked [E, ., .] tensors", "weights"
+    if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:
+        return "the number of stacked experts differs from the histogram bins", "offsets"
+    if any(bound != num_experts for bound in bounds):
+        return "rows are masked against another expert count than the experts held", "offsets"
+    return ExpertWeights(stacked=gate_up, out_in=gate_up_out_in), ExpertWeights(stacked=down, out_in=down_out_in)
+
+
+def _read_combine(out: Node) -> tuple[int, Node, Node] | tuple[str, Node | None]:
+    """(k, the weighted expert rows, the sort permutation) of `y[inverse(perm)].view(T, k, H).sum(1)`,
+    else (why not, where)."""
+    view = out.args[0]
+    if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
+        return "the k-slot reduction is not a sum over dim 1 of a [T, k, H] view", None
+    top_k = const_int(shape(view)[1])
+    unpermuted = strip_shape_ops(view)
+    if not (is_call(unpermuted, aten.index.Tensor) and len(unpermuted.args[1]) == 1):
+        return "expert outputs are not gathered back to token order before the sum", unpermuted
+    weighted, inverse = unpermuted.args[0], unpermuted.args[1][0]
+    perm = _inverse_of(inverse)
+    if perm is None:
+        return "the gather back to token order is not the inverse of the sort permutation", inverse
+    if not is_call(weighted, aten.mul.Tensor):
+        return "routing weights do not scale the expert outputs", weighted
+    return top_k, weighted, perm
+
+
+def _read_biases(swiglu, up: tuple, down: tuple, num_experts: int, perm: Node) -> bool | tuple[str, Node | None]:
+    """Whether the expert biases (GPT-OSS's clamped swiglu only) are gathered with sorted ids clamped to
+    0..E-1 (transformers 5.17); (why not, where) when they are not read as the kernel reads them."""
+    (up_bias, up_bias_ids), (down_bias, down_bias_ids) = up, down
+    if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
+        return "expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", None
+    if swiglu is None:
+        return False
+    up_bias_ids, up_clamped = through_id_clamp(up_bias_ids, num_experts)
+    down_bias_ids, down_clamped = through_id_clamp(down_bias_ids, num_experts)
+    if not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
+        return "expert biases are not gathered with the sorted expert ids", up_bias_ids
+    return up_clamped or down_clamped
 
 
 def _final_output(out: Node) -> Node:
@@ -253,3 +277,7 @@ def _rows_source(rows: Node, perm: Node, top_k: int) -> Node | None:
                 return None
             return rows.args[0]
     return None
+
+
+# The k-slot sum that ends the region anchors it.
+FINDER = Finder(FORM, (aten.sum.dim_IntList,), each_anchor(_feeds_from_grouped_mm), match_at)

@@ -39,6 +39,7 @@ from ..fx_utils import (
 )
 from . import probe
 from .experts_dense_loop import ExpertTerm, is_zero_init, read_term, role_weights
+from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
 from .mlp import activation_of, gated_product, halves, projection
 
@@ -46,13 +47,14 @@ aten = torch.ops.aten
 FORM = "segments"
 
 
-def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    results = []
-    for node in graph.nodes:
+def _candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
+    """Joins of two or more pieces whose result is combined back into token order."""
+    found = []
+    for node in anchors:
         join = _joined(node)
         if join is not None and len(join.pieces) >= 2 and _combined(node) is not None:
-            results.append(match_at(join))
-    return results
+            found.append(Candidate(node, join))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,3 +380,6 @@ def _match(output, terms, hidden, ids, weights, top_k, no) -> ExpertsMatch | Dec
         **roles,
     )
 
+
+# Per-expert outputs are joined by a cat, or written over a zeros buffer by slice_scatters.
+FINDER = Finder(FORM, (aten.cat.default, aten.slice_scatter.default), _candidates, match_at)

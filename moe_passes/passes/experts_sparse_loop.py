@@ -24,20 +24,22 @@ from torch.fx import Node
 
 from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_shape_ops
 from .experts_dense_loop import ExpertTerm, is_zero_init, match_terms, read_term
+from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
 
 aten = torch.ops.aten
 FORM = "sparse_loop"
 
 
-def find(graph: torch.fx.Graph) -> list[ExpertsMatch | Decline]:
-    results = []
-    for node in graph.nodes:
+def _candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
+    """The last link of every accumulation chain of two or more links from zeros."""
+    found = []
+    for node in anchors:
         if _is_chain_end(node):
             links = _chain(node)
             if links is not None and len(links) >= 2:
-                results.append(match_at(node, links))
-    return results
+                found.append(Candidate(node, (node, links)))
+    return found
 
 
 def link_parts(node: Node) -> tuple[Node, object, object, object, bool] | None:
@@ -90,7 +92,10 @@ def _gather_source(rows_value: Node, index: Node) -> Node | None:
     return None
 
 
-def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
+def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
+    """The match for one accumulation chain: (its last link, every link first to last)."""
+    end, links = chain
+
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, end, at)
 
@@ -130,3 +135,7 @@ def match_at(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
     if len(users) == 1 and is_cast(users[0]):
         output = users[0]
     return match_terms(output, terms, FORM)
+
+
+# Each link is an index_add (or an accumulating index_put) into the output.
+FINDER = Finder(FORM, (aten.index_add.default, aten.index_put.default), _candidates, match_at)

@@ -1,21 +1,24 @@
-"""The MoE fusion pass: run every finder, check each match, rewrite, clean up.
+"""The MoE fusion pass: find (every registered finder), decide (checks every form shares), rewrite.
 
-Finders are independent (one module per expert form). Checks that hold for every form (nothing
-inside the region is used outside it, the router's width agrees with the experts held, token counts
-line up) live here once. Every candidate ends as a `Fused` or a `Declined` entry.
+    find_layers(graph) -> Found(accepted, rejected)        nothing is changed
+    apply(gm, found, target) -> the fused call nodes       the graph is rewritten
+
+Finders are independent (one module per expert form, registered with the ops that anchor them, and
+switchable by name). Checks that hold for every form (nothing inside the region is used outside it, the
+router's width agrees with the experts held, token counts line up) live here once. The pass knows
+nothing of reports or printers: the backend turns `Found` into the report.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, source_line, strip_casts
-from ..printer import node_lines
-from ..report import Declined, Fused
+from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
 from . import (
     experts_batched_mm,
     experts_dense_bmm,
@@ -25,19 +28,22 @@ from . import (
     experts_sparse_loop,
     routing,
 )
-from .matches import Decline, ExpertsMatch
+from .finder import Finder
+from .matches import Decline, ExpertsMatch, RoutingInfo
 from .rewrite import rewrite_experts
 
 log = logging.getLogger(__name__)
 
-FINDERS = (
-    experts_grouped_mm.find,
-    experts_batched_mm.find,
-    experts_dense_loop.find,
-    experts_sparse_loop.find,
-    experts_dense_bmm.find,
-    experts_segments.find,
+# In priority order: where two finders match one region, the first one's match is used.
+FINDERS: tuple[Finder, ...] = (
+    experts_grouped_mm.FINDER,
+    experts_batched_mm.FINDER,
+    experts_dense_loop.FINDER,
+    experts_sparse_loop.FINDER,
+    experts_dense_bmm.FINDER,
+    experts_segments.FINDER,
 )
+FORMS = tuple(f.name for f in FINDERS)
 
 # Forms whose finders verify which expert of the router each term is (probes), so that a region may
 # hold a contiguous range of the router's experts (expert parallelism).
@@ -110,16 +116,14 @@ def region_of(match: ExpertsMatch) -> set[Node]:
     }
 
 
-def check(match: ExpertsMatch) -> str | None:
+def check(match: ExpertsMatch, region: frozenset[Node], info: RoutingInfo) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
-    region = region_of(match)
     sizes = read_only_for_sizes(match.output.graph)
     # A size read off a region tensor (and the runtime checks on it) is not a use of its values.
     escapes = [(a, b) for a, b in escaping_users(region, match.output) if b not in sizes]
     if escapes:
         inside, outside = escapes[0]
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
-    info = routing.describe(match.ids, match.weights)
     if info.num_experts is not None and info.num_experts != match.num_experts:
         # Loops were checked expert by expert against the router's width (probes): they may hold a
         # contiguous part of its experts. The GEMM forms index their stacks with the ids themselves.
@@ -147,25 +151,7 @@ def check(match: ExpertsMatch) -> str | None:
     return None
 
 
-def _routing_text(match: ExpertsMatch) -> str:
-    info = routing.describe(match.ids, match.weights)
-    if info.kind == "opaque":
-        return "opaque (ids and weights used as produced)"
-    parts = [info.kind]
-    if info.bias_corrected:
-        parts.append("bias-corrected")
-    if info.grouped:
-        parts.append("grouped")
-    if info.kind in ("softmax_topk", "sigmoid_topk"):
-        parts.append("renormalised" if info.renormalized else "not renormalised")
-    if info.softmax_fp32:
-        parts.append("fp32 softmax")
-    if info.scale is not None:
-        parts.append(f"scaled x{info.scale:g}")
-    return ", ".join(parts)
-
-
-def rounding_needed(match: ExpertsMatch) -> str | None:
+def rounding_needed(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
     """What the rewrite rounds that the model keeps wider, or None when the call is exact in dtypes.
 
     The kernel takes router weights in the hidden dtype and returns the hidden dtype: float32 router
@@ -175,7 +161,6 @@ def rounding_needed(match: ExpertsMatch) -> str | None:
     hidden = dtype(match.hidden)
     if hidden is None:
         return None
-    region = region_of(match)
     wide = [d for d in _dtypes_used_at(match.weights, region) if torch.promote_types(d, hidden) != hidden]
     what = "router weights"
     if not wide and dtype(match.output) is not None and torch.promote_types(dtype(match.output), hidden) != hidden:
@@ -204,85 +189,108 @@ def _dtypes_used_at(node: Node, region: set[Node]) -> set[torch.dtype]:
     return used
 
 
-def fuse_moe(
-    gm: GraphModule, target: str, graph_index: int = 0, strict: bool = False
-) -> tuple[list[Fused], list[Declined]]:
-    """Rewrite every MoE region of `gm` in place; returns what was fused and what was declined.
+@dataclass(frozen=True)
+class Accepted:
+    """A match that passed every check, with what was computed about it once."""
 
-    strict: also decline matches whose rewrite needs a rounding (`rounding_needed`).
+    match: ExpertsMatch
+    layer: str
+    routing: RoutingInfo
+    region: frozenset[Node]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A candidate left as it is: the layer, the form, why, and the node where matching stopped."""
+
+    layer: str
+    form: str
+    reason: str
+    stopped_at: Node | None = None
+
+
+@dataclass
+class Found:
+    """What `find_layers` saw in one graph; the graph itself is not changed."""
+
+    accepted: list[Accepted] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    internal_errors: list[str] = field(default_factory=list)  # "form: ExceptionType: message"
+
+
+def selected_finders(forms: tuple[str, ...] | None = None) -> tuple[Finder, ...]:
+    """The registered finders, or those named in `forms` (for bisecting a wrong rewrite)."""
+    if forms is None:
+        return FINDERS
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        raise ValueError(f"unknown MoE form(s) {unknown}; known forms: {list(FORMS)}")
+    return tuple(f for f in FINDERS if f.name in forms)
+
+
+def find_layers(graph: torch.fx.Graph, forms: tuple[str, ...] | None = None, strict: bool = False) -> Found:
+    """Read every candidate MoE region of `graph` and decide each; nothing is rewritten here.
+
+    Each candidate is read on its own: a finder that raises costs that candidate only (an "internal
+    error in <form>" decline). strict: also decline matches whose rewrite needs a rounding.
     """
-    fused: list[Fused] = []
-    declined: list[Declined] = []
-    seen_outputs: set[Node] = set()
-    replaced: set[Node] = set()
-    candidates = [c for find in FINDERS for c in find(gm.graph)]
-    matches = [c for c in candidates if isinstance(c, ExpertsMatch)]
+    found, results = Found(), []
+    for finder in selected_finders(forms):
+        try:
+            candidates = list(finder.candidates(graph, finder.anchor_nodes(graph)))
+        except Exception as error:  # noqa: BLE001 - a bug in one finder must not stop the others
+            found.internal_errors.append(f"{finder.name}: {type(error).__name__}: {error}")
+            log.debug("finder %s raised while listing candidates", finder.name, exc_info=True)
+            continue
+        for candidate in candidates:
+            try:
+                results.append(finder.match(candidate.payload))
+            except Exception as error:  # noqa: BLE001 - the layer is declined, the graph still compiles
+                what = f"{finder.name}: {type(error).__name__}: {error}"
+                found.internal_errors.append(what)
+                log.debug("finder %s raised at %s", finder.name, candidate.anchor, exc_info=True)
+                results.append(Decline(finder.name, f"internal error in {what}", candidate.anchor))
+    _decide([r for r in results if r is not None], found, strict)
+    return found
+
+
+def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -> None:
+    """Accept each match that passes every check (once per region output); keep the other declines."""
+    matches = [r for r in results if isinstance(r, ExpertsMatch)]
     matched_anchors = {m.output for m in matches} | {a for m in matches for a in m.output.all_input_nodes}
-    # Declines point at a node as the captured graph prints it: name the nodes before any rewrite.
-    printed = node_lines(gm) if candidates else {}
-    for candidate in candidates:
-        if isinstance(candidate, Decline):
-            if candidate.anchor in matched_anchors:
-                continue  # another finder matched this region
-            stopped = candidate.stopped_at or candidate.anchor
-            declined.append(
-                Declined(
-                    layer_name(candidate.anchor),
-                    candidate.form,
-                    candidate.reason,
-                    graph_index,
-                    stopped_at=_where(stopped, printed),
-                )
-            )
+    taken: set[Node] = set()
+    for result in results:
+        if isinstance(result, Decline):
+            if result.anchor not in matched_anchors:  # else another finder matched this region
+                stopped = result.stopped_at or result.anchor
+                found.rejected.append(Rejected(layer_name(result.anchor), result.form, result.reason, stopped))
             continue
-        if candidate.output in seen_outputs:
+        if result.output in taken:
             continue
-        seen_outputs.add(candidate.output)
-        reason = check(candidate)
-        if reason is None and strict:
-            reason = rounding_needed(candidate)
-        name = _layer_of(candidate)
+        taken.add(result.output)
+        region = frozenset(region_of(result))
+        info = routing.describe(result.ids, result.weights)
+        reason = check(result, region, info) or (rounding_needed(result, region) if strict else None)
         if reason is not None:
-            declined.append(
-                Declined(
-                    name, candidate.form, reason, graph_index, stopped_at=_where(candidate.output, printed)
-                )
-            )
+            found.rejected.append(Rejected(_layer_of(result), result.form, reason, result.output))
             continue
-        replaced |= region_of(candidate)
-        node = rewrite_experts(gm.graph, candidate, target)
-        fused.append(
-            Fused(
-                layer=name,
-                form=candidate.form,
-                num_experts=candidate.num_experts,
-                top_k=candidate.top_k,
-                activation=candidate.activation,
-                overload=f"{node.target._schema.name}.{node.target._overloadname}",
-                target=target,
-                routing=_routing_text(candidate),
-                graph=graph_index,
-                experts_min=candidate.experts_min,
-                router_experts=routing.describe(candidate.ids, candidate.weights).num_experts,
-            )
-        )
-        log.debug("fused %s (%s) into %s", name, candidate.form, node.target)
+        found.accepted.append(Accepted(result, _layer_of(result), info, region))
+
+
+def apply(gm: GraphModule, found: Found, target: str) -> list[Node]:
+    """Rewrite every accepted layer of `found` in `gm` (in place); returns the fused call nodes, in order."""
+    fused = []
+    for accepted in found.accepted:
+        fused.append(rewrite_experts(gm.graph, accepted.match, target))
+        log.debug("fused %s (%s) into %s", accepted.layer, accepted.match.form, fused[-1].target)
     if fused:
         gm.graph.eliminate_dead_code()
+        replaced = set().union(*(a.region for a in found.accepted))
         if _drop_size_assertions_on(gm.graph, replaced):
             gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-    return fused, declined
-
-
-def _where(node: Node | None, printed: dict[Node, str]) -> str:
-    """A node as the captured graph prints it, with the user source line that produced it."""
-    if node is None:
-        return ""
-    line = printed.get(node, node.name)
-    source = source_line(node)
-    return f"{line}  [{source}]" if source else line
+    return fused
 
 
 def _drop_size_assertions_on(graph: torch.fx.Graph, replaced: set[Node]) -> int:

@@ -101,7 +101,9 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         )
         op = lowering.fused_overload(target, match.overload)
         args, kwargs = lowering.call_arguments(op, values)
-        fused = emit.call(op, args, kwargs)
+        fused = graph.call_function(op, args, kwargs)  # the one node the region becomes
+        with fake_mode:
+            fused.meta["val"] = op(*map_arg(args, val), **map_arg(kwargs, val))
         result = fused
         if shape(match.output) != shape(fused):
             result = emit.call(aten.reshape.default, (result, list(val(match.output).shape)))

@@ -1,0 +1,54 @@
+"""What a finder is: the ops that anchor its candidates, how it lists them, how it reads one.
+
+Each `experts_*` module registers one `Finder`. The pipeline looks up the anchor nodes with
+`graph.find_nodes` (an index, not a scan), asks the finder for its candidates among them, and reads
+each candidate on its own, so that a finder that raises on one layer costs that layer only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from .matches import Decline, ExpertsMatch
+
+Result = ExpertsMatch | Decline | None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A place a finder will read: `anchor` names it (its layer, its node); `payload` is the finder's own."""
+
+    anchor: Node
+    payload: Any
+
+
+@dataclass(frozen=True)
+class Finder:
+    """One way of writing the experts (a form), switchable by its name (`options={"forms": [...]}`)."""
+
+    name: str
+    anchors: tuple  # OpOverloads whose nodes may end (or start) a region of this form
+    candidates: Callable[[torch.fx.Graph, list[Node]], Iterable[Candidate]]
+    match: Callable[[Any], Result]
+
+    def anchor_nodes(self, graph: torch.fx.Graph) -> list[Node]:
+        """The graph's nodes of the anchor ops, in graph order."""
+        found = [n for op in self.anchors for n in graph.find_nodes(op="call_function", target=op)]
+        if len(self.anchors) > 1:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            found.sort(key=order.__getitem__)
+        return found
+
+
+def each_anchor(accept: Callable[[Node], bool]) -> Callable[[torch.fx.Graph, list[Node]], Iterable[Candidate]]:
+    """Candidates for finders that read one anchor node at a time: the anchors `accept` keeps."""
+
+    def candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> Iterable[Candidate]:
+        return [Candidate(node, node) for node in anchors if accept(node)]
+
+    return candidates
