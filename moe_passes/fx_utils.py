@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.fx import Node
+from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
 
@@ -45,6 +46,18 @@ def is_call(node: object, *targets) -> bool:
         if packet is not None and packet is target:
             return True
     return False
+
+
+def arguments(node: Node) -> dict | None:
+    """A call's arguments by schema name, defaults filled in (torch's schema normalisation), so that
+    `sort(x, 0)` and `sort(x, dim=0)` read alike; None when the target has no schema."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    try:
+        normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    except Exception:  # noqa: BLE001 - an op torch cannot normalise is read positionally by its finder
+        normalized = None
+    return dict(normalized.kwargs) if normalized is not None else None
 
 
 def val(node: object):

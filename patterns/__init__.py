@@ -32,6 +32,8 @@ FORMS = (
     "deepseek_v2_count_loop",
     "aria4_offset_segments",
     "expert_parallel_sparse_loop",
+    "mistral_where_loop",
+    "torchtitan_grouped_experts",
     "near_miss_input_scaled",
     "near_miss_mixed_activation",
     "near_miss_output_escapes",
@@ -41,6 +43,7 @@ FORMS = (
     "near_miss_concatenated_swiglu",
     "near_miss_llama4_dense_bmm",
     "near_miss_data_dependent_loop",
+    "near_miss_torchtitan_score_before_experts",
 )
 
 

@@ -92,6 +92,8 @@ def test_catalog_lists_the_forms_in_a_stable_order():
     "deepseek_v2_count_loop",
     "aria4_offset_segments",
     "expert_parallel_sparse_loop",
+        "mistral_where_loop",
+        "torchtitan_grouped_experts",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",
         "near_miss_output_escapes",
@@ -101,6 +103,7 @@ def test_catalog_lists_the_forms_in_a_stable_order():
         "near_miss_concatenated_swiglu",
         "near_miss_llama4_dense_bmm",
         "near_miss_data_dependent_loop",
+        "near_miss_torchtitan_score_before_experts",
     ]
     assert all(FORMS[name].__name__ == f"patterns.{name}" for name in NAMES)
 

@@ -230,6 +230,48 @@ graph(in0, in1, in2, in3):
             },
         )
 
+    def test_mistral_where_loop(self):
+        """mistral-inference's `out[tok] += w * expert(x[tok])` loop: one call, w1/w3/w2 as gate/up/down."""
+        self.assertExpectedInline(format_graph(rewritten_graph("mistral_where_loop", num_experts=2)), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten.topk(%4, 2)
+  %6 = getitem(%5, 0)
+  %7 = getitem(%5, 1)
+  %8 = aten._softmax(%6, 1, False)
+  %9 = aten.reshape(%1, [-1, 16])
+  %10 = moe_passes.mixture_of_experts(%9, %7, %8, [in4, in7], [in5, in8], [in6, in9], True, 'silu', 0, 1)
+  %11 = aten.reshape(%10, [1, 6, 16])
+  %12 = aten.add.Tensor(in2, %11)
+  return [%12]""")
+
+    def test_torchtitan_grouped_experts(self):
+        """torchtitan's argsort + gather + scatter_add around separate w1/w3/w2 grouped GEMMs: one default call."""
+        self.assertExpectedInline(format_graph(rewritten_graph("torchtitan_grouped_experts")), """\
+graph(in0, in1, in2, in3, in4, in5, in6):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._to_copy(%4, dtype=float32)
+  %6 = aten._softmax(%5, 1, False)
+  %7 = aten.topk(%6, 2, 1)
+  %8 = getitem(%7, 0)
+  %9 = getitem(%7, 1)
+  %10 = aten._to_copy(%8, dtype=bfloat16)
+  %11 = aten.unbind.int(in4, 0)
+  %12 = aten.unbind.int(in5, 0)
+  %13 = aten.unbind.int(in6, 0)
+  %14 = moe_passes.mixture_of_experts(%2, %9, %10, %11[0:4], %12[0:4], %13[0:4], True, 'silu', 0, 3)
+  %15 = aten.reshape(%14, [1, 6, 16])
+  %16 = aten.add.Tensor(in2, %15)
+  return [%16]""")
+
     def test_hf517_grouped_mm_sentinel_masks_are_gone(self):
         """transformers 5.17's sentinel masks and id clamp are inside the replaced region."""
         self.assertExpectedInline(format_graph(rewritten_graph("hf517_grouped_mm")), """\

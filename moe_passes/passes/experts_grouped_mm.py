@@ -16,14 +16,14 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import (
+    SHAPE_ONLY_OPS,
+    arguments,
     const_int,
     is_call,
     is_cast,
     is_getitem,
     shape,
-    slot_table,
     strip_casts,
-    strip_shape_ops,
     within,
 )
 from .biases import bias_fields
@@ -32,9 +32,14 @@ from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate, stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
+from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, Step, compose, uncast
 
 aten = torch.ops.aten
 FORM = "grouped_mm"
+INPUT_SCALED = (
+    "routing weights scale each expert's input, not its output; the fused kernel weights outputs, and "
+    "with a non-linear MLP the two are not equal"
+)
 
 
 # aten's grouped matmul, and the opaque loop transformers uses instead when compiling non-bf16 weights;
@@ -56,120 +61,190 @@ def _grouped_args(node: Node) -> tuple[Node, Node, Node] | None:
     return args[0], args[1], offs
 
 
+# Where the combine back to tokens ends the region: the k-slot sum (view-sum, or a weighted bmm), or
+# an add by token (index_add, scatter_add, accumulating index_put).
+ANCHORS = (
+    aten.sum.dim_IntList,
+    aten.bmm.default,
+    aten.index_add.default,
+    aten.scatter_add.default,
+    aten.index_put.default,
+)
+
+
 def _feeds_from_grouped_mm(node: Node) -> bool:
-    """Cheap pre-filter: a grouped_mm within a few steps above the sum."""
+    """Cheap pre-filter: a grouped_mm within a few steps above the combine."""
     return within(node, 10, is_grouped_mm)
 
 
-def match_at(out: Node) -> ExpertsMatch | Decline:
+def routing_ids(out: Node, depth: int = 40) -> Node | None:
+    """The [T, k] ids whose flat view a sort (or argsort) above `out` orders: the routing of the region."""
+    seen, frontier = set(), [out]
+    for _ in range(depth):
+        next_frontier = []
+        for node in frontier:
+            for source in node.all_input_nodes:
+                if source in seen:
+                    continue
+                seen.add(source)
+                if is_call(source, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable):
+                    table = _table_viewed(source.args[0])
+                    if table is not None:
+                        return table
+                next_frontier.append(source)
+        frontier = next_frontier
+    return None
+
+
+def _table_viewed(flat: Node) -> Node | None:
+    """The 2-D [T, k] tensor a flat view reads (casts allowed): where its view chain starts, else the
+    first 2-D step on the way (a router that reshapes [B, S, k] to [T, k] last)."""
+    chain = [flat]
+    while is_call(chain[-1], *SHAPE_ONLY_OPS) or is_cast(chain[-1]):
+        chain.append(chain[-1].args[0])
+    return next((n for n in (chain[-1], *chain) if len(shape(n) or ()) == 2), None)
+
+
+def match_at(out: Node) -> ExpertsMatch | Decline | None:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, out, at)
 
-    combine = _read_combine(out)
-    if isinstance(combine, tuple) and isinstance(combine[0], str):
-        return no(*combine)
-    top_k, weighted, perm = combine
+    ids = routing_ids(out)
+    if ids is None:
+        return None  # not a sorted region at all (another finder's combine)
+    algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))
+    combine = SlotCombines(algebra).read(out)
+    if combine is None:
+        return no("expert outputs are not gathered back to token order before the sum", out.args[0])
+    order = combine.slot
+    if len(order) != 1 or order[0].kind != "perm":
+        return no("the rows summed per token are not the slots in the order of one sort of the ids", combine.values)
+    perm_index = _perm_index(order[0].perm)
     bounds: list[int] = []  # the expert count each sentinel mask tests against (transformers 5.17)
 
     def unmask(node: Node) -> Node:
-        source, bound = through_sentinel_mask(node, perm)
+        source, bound = through_sentinel_mask(node, perm_index)
         if bound is not None:
             bounds.append(bound)
         return source
 
-    down_out, slot_weights = _split_product(weighted, unmask)
-    down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
-    if down_mm is None or not is_grouped_mm(down_mm):
-        return no("routing weights do not multiply the output of the down projection", weighted)
-    flat_weights = _gathered_by(slot_weights, perm)
-    if flat_weights is None:
-        return no("routing weights are not permuted like the tokens", slot_weights)
+    tail = _weighted_down(combine, algebra, unmask)
+    if isinstance(tail[0], str):
+        return no(*tail)
+    down_mm, down_bias, down_bias_ids, table = tail
     down_in, down_w, offs = _grouped_args(down_mm)
-    num_experts = _offsets_bins(offs)
-    gate = stacked_gate(down_in)
+    num_experts = _expert_count(offs, algebra)
+    gate = stacked_gate(down_in, separate=True)
     if isinstance(gate, str):
         return no(gate, down_in)
-    gate_up_mm, up_bias, up_bias_ids = _with_bias(unmask(gate.gate_up_output))
-    biases = _read_biases(gate.swiglu, (up_bias, up_bias_ids), (down_bias, down_bias_ids), num_experts, perm)
+    up = _gate_up_projections(gate, unmask, offs)
+    if isinstance(up[0], str):
+        return no(*up)
+    rows, roles, up_bias, up_bias_ids = up
+    biases = _read_biases(gate.swiglu, (up_bias, up_bias_ids), (down_bias, down_bias_ids), num_experts, algebra, order)
     if isinstance(biases, tuple):
         return no(biases[0], biases[1] if biases[1] is not None else gate.gate_up_output)
-    if not is_grouped_mm(gate_up_mm):
-        return no("gate/up is not produced by a grouped matmul", gate_up_mm)
-    rows, gate_up_w, offs_up = _grouped_args(gate_up_mm)
-    if offs_up is not offs:
-        return no("the two grouped matmuls use different group offsets", gate_up_mm)
-    slots = _read_slots(offs, perm, unmask(rows), flat_weights, top_k)
-    if isinstance(slots[0], str):
-        return no(*slots)
-    hidden_states, ids, weights = slots
-    stacks = _stacks(gate_up_w, down_w, num_experts, bounds)
-    if isinstance(stacks[0], str):
-        return no(stacks[0], {"weights": gate_up_w, "offsets": offs}.get(stacks[1], stacks[1]))
+    if num_experts is None:
+        return no("group offsets are not the per-expert counts of the sorted ids", offs)
+    hidden = algebra.hidden_rows(unmask(rows))
+    if hidden is None or (hidden.domain, hidden.slot) != (combine.domain, order):
+        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", rows)
+    stacks = _stacks(roles, down_w, num_experts, bounds)
+    if isinstance(stacks, tuple):
+        return no(stacks[0], {"weights": down_w, "offsets": offs}.get(stacks[1], stacks[1]))
     return ExpertsMatch(
         form=FORM,
-        output=_final_output(out),
-        hidden=hidden_states,
+        output=_final_output(combine.output),
+        hidden=hidden.hidden,
         ids=ids,
-        weights=weights,
+        weights=table,
         num_experts=num_experts,
-        top_k=top_k,
+        top_k=algebra.top_k,
         activation=gate.activation,
-        gate_up=stacks[0],
-        down=stacks[1],
+        **stacks,
         **bias_fields(gate.swiglu, up_bias, down_bias),
         assumes_ids_in_range=bool(bounds) or biases,
     )
 
 
-def _read_slots(offs: Node, perm: Node, rows: Node, flat_weights: Node, top_k: int) -> tuple:
-    """(x, ids [T, k], weights [T, k]) that the sorted rows, offsets and weights were made from, else
-    (why not, where)."""
-    ids_flat = _offsets_source(offs, perm)
-    if ids_flat is None:
-        return "group offsets are not the per-expert counts of the sorted ids", offs
-    hidden_states = _rows_source(rows, perm, top_k)
-    if hidden_states is None:
-        return "the grouped rows are not the tokens repeated per slot (x[perm // k])", rows
-    ids, weights = slot_table(ids_flat, top_k), slot_table(flat_weights, top_k)
-    if ids is None or weights is None or shape(weights) != shape(ids):
-        return "routing ids and weights are not [T, k] tensors of the same shape", ids_flat
-    return hidden_states, ids, weights
+def _perm_index(perm: Node) -> Node:
+    """The index tensor of a permutation: argsort's result, or sort's second output."""
+    if is_call(perm, aten.argsort.default, aten.argsort.stable):
+        return perm
+    return next((u for u in perm.users if is_getitem(u, 1)), perm)
 
 
-def _stacks(gate_up_w: Node, down_w: Node, num_experts: int | None, bounds: list[int]) -> tuple:
-    """(gate_up, down) ExpertWeights of [E, ., .] stacks of the histogram's E experts, else (why not,
-    "weights" or "offsets": which to point at)."""
-    gate_up, gate_up_out_in = stacked_weight(gate_up_w)
-    down, down_out_in = stacked_weight(down_w)
-    if len(shape(gate_up)) != 3 or len(shape(down)) != 3:
-        return "expert weights are not stacked [E, ., .] tensors", "weights"
-    if const_int(shape(gate_up)[0]) != num_experts or const_int(shape(down)[0]) != num_experts:
-        return "the number of stacked experts differs from the histogram bins", "offsets"
+def _weighted_down(combine: Combine, algebra: SlotAlgebra, unmask) -> tuple:
+    """(down grouped_mm, its bias, its bias ids, the [T, k] weights) when the rows the combine sums are
+    the down projection scaled by each slot's routing weight, else (why not, where)."""
+    values = uncast(combine.values)
+    if combine.weights is not None:
+        down_out = unmask(values)
+        down_mm, down_bias, down_bias_ids = _with_bias(down_out)
+        if not is_grouped_mm(down_mm):
+            return "routing weights do not multiply the output of the down projection", values
+        return down_mm, down_bias, down_bias_ids, combine.weights
+    if not is_call(values, aten.mul.Tensor):
+        scaled = algebra.input_scaling(values)
+        if scaled is not None:
+            return INPUT_SCALED, scaled
+        return "routing weights do not scale the expert outputs", values
+    down_out, slot_weights = _split_product(values, unmask)
+    down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
+    if down_mm is None or not is_grouped_mm(down_mm):
+        return "routing weights do not multiply the output of the down projection", values
+    read = algebra.slot_values(slot_weights)
+    if read is None or read[1] != Rows(combine.domain, combine.slot):
+        return "routing weights are not permuted like the tokens", slot_weights
+    return down_mm, down_bias, down_bias_ids, read[0]
+
+
+def _gate_up_projections(gate, unmask, offs: Node) -> tuple:
+    """(rows, {"gate_up": W} or {"gate": W1, "up": W3}, up bias, its ids) of the grouped projections that
+    feed act(gate) * up, all with the down projection's offsets; else (why not, where)."""
+    outputs = [gate.gate_up_output] if gate.gate_up_output is not None else [gate.gate_output, gate.up_output]
+    projections = []
+    for output in outputs:
+        mm, bias, bias_ids = _with_bias(unmask(output))
+        if not is_grouped_mm(mm):
+            return "gate/up is not produced by a grouped matmul", mm
+        rows, weight, offsets = _grouped_args(mm)
+        if offsets is not offs:
+            return "the two grouped matmuls use different group offsets", mm
+        projections.append((strip_casts(unmask(rows)), weight, bias, bias_ids))
+    if len({p[0] for p in projections}) != 1:
+        return "gate and up read different rows", outputs[1]
+    if len(projections) == 2 and any(p[2] is not None for p in projections):
+        return "expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", outputs[0]
+    names = ("gate_up",) if len(projections) == 1 else ("gate", "up")
+    roles = {name: p[1] for name, p in zip(names, projections, strict=True)}
+    return projections[0][0], roles, projections[0][2], projections[0][3]
+
+
+def _expert_count(offs: Node, algebra: SlotAlgebra) -> int | None:
+    """E when the grouped offsets are the running sum of the per-expert counts of the ids."""
+    if not is_call(offs, aten.cumsum.default) or (arguments(offs) or {}).get("dim") not in (0, -1):
+        return None
+    return algebra.expert_counts(offs.args[0])
+
+
+def _stacks(roles: dict, down_w: Node, num_experts: int, bounds: list[int]) -> dict | tuple:
+    """{role: ExpertWeights} for [E, ., .] stacks of the counts' E experts, else (why not, "weights" or
+    "offsets": which to point at)."""
+    found = {}
+    for name, weight in {**roles, "down": down_w}.items():
+        stacked, out_in = stacked_weight(weight)
+        if len(shape(stacked) or ()) != 3:
+            return "expert weights are not stacked [E, ., .] tensors", "weights"
+        if const_int(shape(stacked)[0]) != num_experts:
+            return "the number of stacked experts differs from the histogram bins", "offsets"
+        found[name] = ExpertWeights(stacked=stacked, out_in=out_in)
     if any(bound != num_experts for bound in bounds):
         return "rows are masked against another expert count than the experts held", "offsets"
-    return ExpertWeights(stacked=gate_up, out_in=gate_up_out_in), ExpertWeights(stacked=down, out_in=down_out_in)
+    return found
 
 
-def _read_combine(out: Node) -> tuple[int, Node, Node] | tuple[str, Node | None]:
-    """(k, the weighted expert rows, the sort permutation) of `y[inverse(perm)].view(T, k, H).sum(1)`,
-    else (why not, where)."""
-    view = out.args[0]
-    if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
-        return "the k-slot reduction is not a sum over dim 1 of a [T, k, H] view", None
-    top_k = const_int(shape(view)[1])
-    unpermuted = strip_shape_ops(view)
-    if not (is_call(unpermuted, aten.index.Tensor) and len(unpermuted.args[1]) == 1):
-        return "expert outputs are not gathered back to token order before the sum", unpermuted
-    weighted, inverse = unpermuted.args[0], unpermuted.args[1][0]
-    perm = _inverse_of(inverse)
-    if perm is None:
-        return "the gather back to token order is not the inverse of the sort permutation", inverse
-    if not is_call(weighted, aten.mul.Tensor):
-        return "routing weights do not scale the expert outputs", weighted
-    return top_k, weighted, perm
-
-
-def _read_biases(swiglu, up: tuple, down: tuple, num_experts: int, perm: Node) -> bool | tuple[str, Node | None]:
+def _read_biases(swiglu, up: tuple, down: tuple, num_experts, algebra: SlotAlgebra, order) -> bool | tuple:
     """Whether the expert biases (GPT-OSS's clamped swiglu only) are gathered with sorted ids clamped to
     0..E-1 (transformers 5.17); (why not, where) when they are not read as the kernel reads them."""
     (up_bias, up_bias_ids), (down_bias, down_bias_ids) = up, down
@@ -179,7 +254,8 @@ def _read_biases(swiglu, up: tuple, down: tuple, num_experts: int, perm: Node) -
         return False
     up_bias_ids, up_clamped = through_id_clamp(up_bias_ids, num_experts)
     down_bias_ids, down_clamped = through_id_clamp(down_bias_ids, num_experts)
-    if not (_is_sorted_ids(up_bias_ids, perm) and _is_sorted_ids(down_bias_ids, perm)):
+    sorted_ids = IndexMap(order[0].perm, compose(order, (Step("expert"),)))
+    if not (algebra.index(up_bias_ids) == sorted_ids == algebra.index(down_bias_ids)):
         return "expert biases are not gathered with the sorted expert ids", up_bias_ids
     return up_clamped or down_clamped
 
@@ -201,83 +277,4 @@ def _split_product(mul: Node, unmask) -> tuple[Node | None, Node | None]:
     return None, None
 
 
-def _is_sorted_ids(ids: Node, perm: Node) -> bool:
-    """ids is the sorted-ids output of the sort that produced perm."""
-    ids = strip_casts(ids)
-    return is_getitem(ids, 0) and is_getitem(perm, 1) and ids.args[0] is perm.args[0]
-
-
-def _inverse_of(inverse: Node) -> Node | None:
-    """perm when `inverse` is index_put(empty_like(perm), [perm], arange(S)) (or scatter of arange)."""
-    if is_call(inverse, aten.index_put.default) and len(inverse.args[1]) == 1:
-        base, (perm,), values = inverse.args[:3]
-        values = strip_shape_ops(values)  # one routed slot: arange(1) is viewed as a scalar
-        if is_call(values, aten.arange.default, aten.arange.start) and _is_like(base, perm):
-            return perm
-    if is_call(inverse, aten.argsort.default, aten.argsort.stable):
-        return inverse.args[0]
-    return None
-
-
-def _is_like(base: Node, perm: Node) -> bool:
-    return is_call(base, aten.empty_like.default, aten.zeros_like.default) and base.args[0] is perm
-
-
-def _gathered_by(node: Node, perm: Node) -> Node | None:
-    """w_flat when `node` is w_flat[perm] (possibly unsqueezed / cast)."""
-    node = strip_casts(node)
-    if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and node.args[1][0] is perm:
-        return node.args[0]
-    return None
-
-
-def _sort_of(perm: Node) -> Node | None:
-    if is_getitem(perm, 1) and is_call(perm.args[0], aten.sort.default, aten.sort.stable):
-        return perm.args[0]
-    return None
-
-
-def _offsets_source(offs: Node, perm: Node) -> Node | None:
-    """ids_flat when offs = cumsum(histc(sorted ids)) (or bincount) for the same sort as perm."""
-    sort = _sort_of(perm)
-    if sort is None or not is_call(offs, aten.cumsum.default):
-        return None
-    counts = strip_casts(offs.args[0])
-    if not is_call(counts, aten.histc.default, aten.bincount.default):
-        return None
-    sorted_ids = strip_casts(counts.args[0])
-    if not (is_getitem(sorted_ids, 0) and sorted_ids.args[0] is sort):
-        return None
-    return sort.args[0]
-
-
-def _offsets_bins(offs: Node) -> int | None:
-    counts = strip_casts(offs.args[0])
-    if is_call(counts, aten.histc.default):
-        given = list(counts.args[1:])  # make_fx drops trailing defaults: max=0 for one expert
-        bins, low, high = given + [100, 0, 0][len(given) :]
-        bins = const_int(bins)
-        if bins is not None and low == 0 and high == bins - 1:
-            return bins
-        return None
-    return const_int(counts.kwargs.get("minlength", counts.args[2] if len(counts.args) > 2 else None))
-
-
-def _rows_source(rows: Node, perm: Node, top_k: int) -> Node | None:
-    """x when rows = x[perm // k] (x possibly cast to the weight dtype)."""
-    rows = strip_casts(rows)
-    if not (is_call(rows, aten.index.Tensor) and len(rows.args[1]) == 1):
-        return None
-    token_of_slot = rows.args[1][0]
-    if is_call(token_of_slot, aten.floor_divide.default, aten.div.Tensor_mode):
-        if token_of_slot.args[0] is perm and const_int(token_of_slot.args[1]) == top_k:
-            if is_call(token_of_slot, aten.div.Tensor_mode) and token_of_slot.kwargs.get(
-                "rounding_mode"
-            ) not in ("floor", "trunc"):
-                return None
-            return rows.args[0]
-    return None
-
-
-# The k-slot sum that ends the region anchors it.
-FINDER = Finder(FORM, (aten.sum.dim_IntList,), each_anchor(_feeds_from_grouped_mm), match_at)
+FINDER = Finder(FORM, ANCHORS, each_anchor(_feeds_from_grouped_mm), match_at)

@@ -249,12 +249,17 @@ class StackedGate:
     """What sits between the gate/up projection and the down projection of a stacked-weight expert form."""
 
     activation: str  # kernel activation name, or the clamped swiglu's description
-    gate_up_output: Node  # the [.., 2I] gate/up projection output (bias still added, if any)
+    gate_up_output: Node | None  # the [.., 2I] gate/up projection output (bias still added, if any)
     swiglu: ClampedSwiglu | None  # set for GPT-OSS's gate (the bias_fused_weights overload)
+    # Gate and up as two projections (torchtitan's w1 / w3), when gate_up_output is None.
+    gate_output: Node | None = None
+    up_output: Node | None = None
 
 
-def stacked_gate(down_input: Node) -> StackedGate | str:
-    """Read act(gate) * up over halves of one projection, or GPT-OSS's clamped swiglu; else a reason."""
+def stacked_gate(down_input: Node, separate: bool = False) -> StackedGate | str:
+    """Read act(gate) * up over halves of one projection, or GPT-OSS's clamped swiglu; else a reason.
+
+    separate: also accept gate and up that are two projections (the caller reads both)."""
     swiglu = clamped_swiglu(down_input)
     if swiglu is not None and not swiglu.interleaved:
         return (
@@ -280,6 +285,8 @@ def stacked_gate(down_input: Node) -> StackedGate | str:
                 "DeepSeek-V4); the fused kernel has no such clamp (only its GPT-OSS overload clamps, and it "
                 "computes (up + 1) * gate * sigmoid(alpha * gate))"
             )
+        if separate:
+            return StackedGate(activation, None, None, product.gate, product.up)
         return "gate and up are not the two halves of one projection"
     return StackedGate(activation, split[0], None)
 

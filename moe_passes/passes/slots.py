@@ -1,0 +1,485 @@
+"""What index tensors mean, whatever op produced them: maps between tokens, slots, sorted positions.
+
+An MoE layer moves rows between four index spaces: tokens T (rows of x), slots S (t * k + j, the
+flattened [T, k] routing table), the positions P of a permutation of the slots (rows grouped by
+expert), and experts E. Every index tensor of the layer is a map between them, written as steps
+applied from its domain outward:
+
+    ids.view(-1)                    S -> E      (expert,)
+    argsort(ids.view(-1)), sort(..)[1]  P -> S  (perm p,)          p: the node that sorted
+    perm // k                       P -> T      (perm p, token)
+    argsort(perm), index_put(empty, [perm], arange)   S -> P   (inv p,)
+    a[b] (index, index_select, gather, take)          b's steps, then a's
+
+so `y[inverse]` is y's rows read through (inv p, perm p) = (): back in slot order, proved by the steps
+cancelling, not by the spelling of the gather. Rows of x gathered by a map ending in `token` hold, at
+each position, the token of the slot the rest of the map names; the combine back to tokens (a view-sum
+over the k slots, an index_add / scatter_add by token, or a scatter by the permutation first) is read
+the same way. Rules are per op: a new spelling of a known step needs a rule here, not a new finder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import arguments, const_int, is_call, is_cast, is_getitem, shape
+
+aten = torch.ops.aten
+
+TOKENS, SLOTS, EXPERTS = "T", "S", "E"
+Space = str | Node  # "T", "S", "E", or the node whose permutation orders the positions
+
+
+@dataclass(frozen=True)
+class Step:
+    """One primitive map: "perm" (P(p) -> S), "inv" (S -> P(p)), "token" (S -> T), "expert" (S -> E)."""
+
+    kind: str
+    perm: Node | None = None
+
+    def source(self) -> Space:
+        return self.perm if self.kind == "perm" else SLOTS
+
+    def target(self) -> Space:
+        return {"perm": SLOTS, "inv": self.perm, "token": TOKENS, "expert": EXPERTS}[self.kind]
+
+
+def compose(*parts: tuple[Step, ...]) -> tuple[Step, ...]:
+    """The steps one after another, with a permutation and its inverse cancelling."""
+    out: list[Step] = []
+    for step in (s for part in parts for s in part):
+        if out and out[-1].perm is step.perm and {out[-1].kind, step.kind} == {"perm", "inv"}:
+            out.pop()
+        else:
+            out.append(step)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class IndexMap:
+    """An integer tensor whose entry at each position of `domain` is a position of its codomain."""
+
+    domain: Space
+    steps: tuple[Step, ...]
+
+    @property
+    def codomain(self) -> Space:
+        return self.steps[-1].target() if self.steps else self.domain
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per-row data over `domain` whose row d belongs to slot `slot(d)` (steps from domain to S).
+
+    `hidden` is set for rows of x itself (x[token of slot]), None for values computed from them."""
+
+    domain: Space
+    slot: tuple[Step, ...]
+    hidden: Node | None = None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """arange(n): the identity of whichever space of size n it is used in."""
+
+    size: int
+
+
+class SlotAlgebra:
+    """Index meanings relative to one routing table `ids` [T, k] (memoised per node)."""
+
+    def __init__(self, ids: Node, top_k: int):
+        self.ids, self.top_k = ids, top_k
+        self._memo: dict[Node, IndexMap | Identity | None] = {}
+
+    # -- index tensors ---------------------------------------------------------------------------
+    def index(self, node: object) -> IndexMap | Identity | None:
+        if not isinstance(node, Node):
+            return None
+        if node not in self._memo:
+            self._memo[node] = None  # cycles cannot occur in a DAG; this guards re-entry on failure
+            self._memo[node] = self._index(node)
+        return self._memo[node]
+
+    def _index(self, node: Node) -> IndexMap | Identity | None:
+        if is_cast(node) or _flattening(node) or is_call(node, aten.clone.default, aten.alias.default):
+            return self.index(node.args[0])
+        if node is self.ids:
+            return IndexMap(SLOTS, (Step("expert"),))
+        args = arguments(node) or {}
+        if is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step):
+            return self._arange(args)
+        if is_getitem(node, 1) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
+            return self._sorted(node.args[0], node.args[0])
+        if is_getitem(node, 0) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
+            perm = self._sorted(node.args[0], node.args[0])
+            return IndexMap(perm.domain, compose(perm.steps, (Step("expert"),))) if perm else None
+        if is_call(node, aten.argsort.default, aten.argsort.stable):
+            return self._sorted(node, node) or self._inverse(self.index(args.get("input")), args)
+        if is_call(node, aten.floor_divide.default, aten.div.Tensor_mode):
+            return self._token_of(node, args)
+        if is_call(node, aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.index_copy.default):
+            return self._inverse_by_scatter(node, args)
+        gathered = gather_parts(node)
+        if gathered is not None:
+            source, by = self.index(gathered[0]), self.index(gathered[1])
+            if isinstance(source, IndexMap) and isinstance(by, IndexMap) and by.codomain == source.domain:
+                return IndexMap(by.domain, compose(by.steps, source.steps))
+        return None
+
+    def _arange(self, args: dict) -> Identity | None:
+        start, end, step = args.get("start", 0), args.get("end"), args.get("step", 1)
+        size = const_int(end)
+        return Identity(size) if start == 0 and step == 1 and size is not None else None
+
+    def _sorted(self, sort: Node, perm: Node) -> IndexMap | None:
+        """P(perm) -> S when `sort` orders the flat ids ascending (stable or not: an expert's rows stay
+        together either way, and every later step goes through the same permutation)."""
+        args = arguments(sort) or {}
+        if args.get("descending") or args.get("dim", -1) not in (0, -1):
+            return None
+        source = self.index(args.get("input"))
+        if not (isinstance(source, IndexMap) and source.domain == SLOTS and source.steps == (Step("expert"),)):
+            return None
+        return IndexMap(perm, (Step("perm", perm),))
+
+    def _inverse(self, source: object, args: dict) -> IndexMap | None:
+        """argsort of a permutation of the slots is its inverse."""
+        if isinstance(source, IndexMap) and len(source.steps) == 1 and source.steps[0].kind == "perm":
+            if not args.get("descending") and args.get("dim", -1) in (0, -1):
+                return IndexMap(SLOTS, (Step("inv", source.steps[0].perm),))
+        return None
+
+    def _inverse_by_scatter(self, node: Node, args: dict) -> IndexMap | None:
+        """index_put(empty(n), [perm], arange(n)) (or scatter / index_copy of arange): the inverse."""
+        if is_call(node, aten.index_put.default):
+            indices, values = args.get("indices") or [None], args.get("values")
+            by = self.index(indices[0]) if len(indices) == 1 else None
+        else:
+            by, values = self.index(args.get("index")), args.get("src", args.get("source"))
+        if not isinstance(self.index(values), Identity) or not _fresh(args.get("input")):
+            return None
+        return self._inverse(by, {})
+
+    def _token_of(self, node: Node, args: dict) -> IndexMap | None:
+        """m // k, for m a map into the slots: the token of each slot."""
+        if is_call(node, aten.div.Tensor_mode) and args.get("rounding_mode") not in ("floor", "trunc"):
+            return None
+        source = self.index(args.get("input"))
+        if const_int(args.get("other")) != self.top_k:
+            return None
+        if isinstance(source, Identity) and source.size == self.slot_count():
+            return IndexMap(SLOTS, (Step("token"),))
+        if isinstance(source, IndexMap) and source.codomain == SLOTS:
+            return IndexMap(source.domain, compose(source.steps, (Step("token"),)))
+        return None
+
+    def slot_count(self) -> int | None:
+        tokens = const_int(shape(self.ids)[0]) if shape(self.ids) else None
+        return None if tokens is None else tokens * self.top_k
+
+    # -- rows of x and per-slot values -------------------------------------------------------------
+    def hidden_rows(self, node: Node) -> Rows | None:
+        """x's rows, one per position, each the token of a slot: x[perm // k], index_select, gather with
+        an expanded index, or x repeated k times (every slot in order)."""
+        node = uncast(node)
+        repeated = _repeated_rows(node, self.top_k)
+        if repeated is not None:
+            return Rows(SLOTS, (), repeated)
+        gathered = gather_parts(node)
+        if gathered is None:
+            return None
+        by = self.index(gathered[1])
+        if isinstance(by, IndexMap) and by.steps and by.steps[-1].kind == "token":
+            return Rows(by.domain, by.steps[:-1], gathered[0])
+        return None
+
+    def slot_values(self, node: Node) -> tuple[Node, Rows] | None:
+        """(table, rows) when `node` reads a [T, k] float table (the routing weights) per position: its
+        flat view, or that view gathered by a map into the slots."""
+        chain = [node]
+        while is_cast(chain[-1]) or is_call(chain[-1], aten.unsqueeze.default, aten.view.default, aten.reshape.default):
+            chain.append(chain[-1].args[0])
+        gathered = gather_parts(chain[-1])
+        if gathered is None:  # the table itself; a cast of it nearest the use is what the model multiplies
+            return next(((n, Rows(SLOTS, ())) for n in chain if self._is_table(n)), None)
+        source = self.slot_values(gathered[0]) if gathered is not None else None
+        if source is not None and source[1] == Rows(SLOTS, ()):
+            by = self.index(gathered[1])
+            if isinstance(by, IndexMap) and by.codomain == SLOTS:
+                return source[0], Rows(by.domain, by.steps)
+        return None
+
+    def input_scaling(self, node: Node, depth: int = 12) -> Node | None:
+        """A product of x's routed rows and their routing weights above `node`: weights applied to the
+        experts' input (torchtitan's score_before_experts, Llama4), which the kernel cannot express."""
+        seen, frontier = set(), [node]
+        for _ in range(depth):
+            frontier = [s for n in frontier for s in n.all_input_nodes if s not in seen and not seen.add(s)]
+            for candidate in frontier:
+                if is_call(uncast(candidate), aten.mul.Tensor):
+                    a, b = uncast(candidate).args
+                    for rows, weights in ((a, b), (b, a)):
+                        if isinstance(rows, Node) and isinstance(weights, Node) and self.hidden_rows(rows):
+                            if self.slot_values(weights) is not None:
+                                return candidate
+        return None
+
+    def _is_table(self, node: Node) -> bool:
+        """A floating [T, k] tensor of this routing's shape (not the ids)."""
+        value = node.meta.get("val")
+        return (
+            node is not self.ids
+            and isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and value.dim() == 2
+            and tuple(value.shape) == tuple(self.ids.meta["val"].shape)
+        )
+
+    def expert_counts(self, node: Node) -> int | None:
+        """E when `node` holds, for e in 0..E-1, how many slots chose expert e: histc / bincount of the
+        ids (in any order), or a [*, E] one-hot table of them summed over the slots."""
+        node = uncast(node)
+        args = arguments(node) or {}
+        if is_call(node, aten.histc.default, aten.bincount.default):
+            source = self.index(args.get("input"))
+            if not (isinstance(source, IndexMap) and source.codomain == EXPERTS):
+                return None
+            if is_call(node, aten.bincount.default):
+                return None if args.get("weights") is not None else const_int(args.get("minlength"))
+            return _identity_bins(args.get("bins"), args.get("min"), args.get("max"))
+        if is_call(node, aten.sum.dim_IntList) and list(args.get("dim") or ()) in ([0], [-2]):
+            return self._one_hot_width(uncast(args.get("input")))
+        return None
+
+    def _one_hot_width(self, table: Node) -> int | None:
+        """E for a [T, E] table with one 1 per chosen expert: scatter of ones at the ids into zeros."""
+        args = arguments(table) or {}
+        if is_call(table, aten.scatter.value, aten.scatter_.value) and args.get("dim") in (1, -1):
+            chosen = uncast(args.get("index"))
+            width = shape(table)
+            if chosen is self.ids and args.get("value") == 1 and _zeros(args.get("input")) and width:
+                return const_int(width[-1])
+        return None
+
+
+def _identity_bins(bins: object, low: object, high: object) -> int | None:
+    """E when histc(ids, bins, low, high) puts integer id j in bin j for every j in 0..E-1."""
+    bins = const_int(bins)
+    if bins is None or (low == 0 and high == 0 and bins != 1):  # 0, 0: the data's own range
+        return None
+    if bins == 1:
+        return 1
+    probe = torch.histc(torch.arange(bins, dtype=torch.float64), bins=bins, min=float(low), max=float(high))
+    return bins if bool((probe == 1).all()) else None
+
+
+def gather_parts(node: Node) -> tuple[Node, Node] | None:
+    """(source, index) of a row gather along dim 0: a[i], index_select(a, 0, i), take(a, i) (1-D a),
+    or gather(a, 0, i.unsqueeze(-1).expand(-1, H)) whose index repeats i across each row."""
+    args = arguments(node) if isinstance(node, Node) and node.op == "call_function" else None
+    if not args:
+        return None
+    if is_call(node, aten.index.Tensor) and len(args["indices"]) == 1 and args["indices"][0] is not None:
+        return args["input"], args["indices"][0]
+    if is_call(node, aten.index_select.default) and args["dim"] == 0:
+        return args["input"], args["index"]
+    if is_call(node, aten.take.default) and len(shape(args["input"]) or ()) == 1:
+        return args["input"], args["index"]
+    if is_call(node, aten.gather.default) and args["dim"] == 0:
+        row_index = row_broadcast(args["index"])
+        if row_index is not None:
+            return args["input"], row_index
+    return None
+
+
+def row_broadcast(index: Node) -> Node | None:
+    """i when `index` is i[:, None] expanded across the row ([N, H]): each row gathers one whole row."""
+    node = index
+    if is_call(node, aten.expand.default):
+        node = node.args[0]
+    if is_call(node, aten.unsqueeze.default) and node.args[1] in (1, -1):
+        return node.args[0]
+    if is_call(node, aten.view.default, aten.reshape.default) and list(node.args[1])[1:] == [1]:
+        return node.args[0]
+    return None
+
+
+def uncast(node: object) -> object:
+    """Walk up through dtype conversions only (views change which positions a tensor has)."""
+    while is_cast(node):
+        node = node.args[0]
+    return node
+
+
+def _flattening(node: Node) -> bool:
+    """A view that keeps row-major order and ends 1-D: [T, k] -> [T * k]."""
+    return is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints) and (
+        len(shape(node) or ()) == 1
+    )
+
+
+def _fresh(node: object) -> bool:
+    """A buffer made only to be written: empty/zeros of any shape (its old values are never read)."""
+    node = uncast(node) if isinstance(node, Node) else node
+    return is_call(
+        node, aten.empty_like.default, aten.zeros_like.default, aten.empty.memory_format, aten.zeros.default,
+        aten.new_empty.default, aten.new_zeros.default, aten.full.default, aten.full_like.default,
+    )
+
+
+def _repeated_rows(node: Node, top_k: int) -> Node | None:
+    """x when node is x.repeat_interleave(k, dim=0), which ATen spells expand(x[:, None], [T, k, H])."""
+    while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
+        node = node.args[0]
+    if is_call(node, aten.expand.default):
+        source, sizes = node.args[0], list(node.args[1])
+        if is_call(source, aten.unsqueeze.default) and source.args[1] == 1 and len(sizes) == 3:
+            if const_int(sizes[1]) == top_k:
+                return source.args[0]
+    if is_call(node, aten.repeat_interleave.self_int) and const_int(node.args[1]) == top_k:
+        return node.args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Combine:
+    """How per-row values come back to tokens: `values` (rows over `domain`, row d of slot `slot(d)`)
+    summed over each token's k slots into `output`; `weights` is the [T, k] table the combine itself
+    multiplies by (einsum "tai,ta->ti", bmm, a view times w[..., None]), None when the rows carry it."""
+
+    output: Node
+    values: Node
+    domain: Space
+    slot: tuple[Step, ...]
+    weights: Node | None = None
+
+
+def inverse_steps(steps: tuple[Step, ...]) -> tuple[Step, ...] | None:
+    """The inverse of a bijection between S and a P space, or None for maps that are not one."""
+    flipped = {"perm": "inv", "inv": "perm"}
+    if all(s.kind in flipped for s in steps):
+        return tuple(Step(flipped[s.kind], s.perm) for s in reversed(steps))
+    return None
+
+
+def _zeros(node: object) -> bool:
+    node = uncast(node) if isinstance(node, Node) else node
+    if is_call(node, aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default):
+        return True
+    if is_call(node, aten.full.default, aten.full_like.default, aten.new_full.default):
+        return (arguments(node) or {}).get("fill_value") == 0
+    return False
+
+
+def _flat_view_source(node: Node, top_k: int) -> Node | None:
+    """v when node is v viewed as [T, k, H] (a row-major view of [T * k, H] rows)."""
+    dims = shape(node)
+    if not dims or len(dims) != 3 or const_int(dims[1]) != top_k:
+        return None
+    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default):
+        node = node.args[0]
+    return node if len(shape(node) or ()) == 2 else None
+
+
+class SlotCombines:
+    """Reading the combine back to tokens with a `SlotAlgebra` (kept apart: rows in, tokens out)."""
+
+    def __init__(self, algebra: SlotAlgebra):
+        self.algebra = algebra
+
+    def read(self, node: Node) -> Combine | None:
+        """The combine that `node` ends, in any of its spellings, else None."""
+        if is_call(node, aten.sum.dim_IntList):
+            args = arguments(node) or {}
+            if list(args.get("dim") or ()) in ([1], [-2]) and len(shape(node) or ()) == 2:
+                return self._slot_sum(node, args["input"])
+            return None
+        if is_call(node, aten.bmm.default):
+            return self._weighted_bmm(node)
+        return self._add_by_token(node)
+
+    def _slot_sum(self, out: Node, viewed: Node) -> Combine | None:
+        """v.view(T, k, H).sum(1), or (v.view(T, k, H) * w[..., None]).sum(1), v in slot order."""
+        weights = None
+        if is_call(viewed, aten.mul.Tensor):
+            for rows, table in (viewed.args, viewed.args[::-1]):
+                source = self._weight_table(table)
+                if isinstance(rows, Node) and source is not None and len(shape(rows) or ()) == 3:
+                    viewed, weights = rows, source
+                    break
+        flat = _flat_view_source(uncast(viewed), self.algebra.top_k)
+        if flat is None:
+            return None
+        return self._in_slot_order(out, uncast(flat), weights)
+
+    def _weighted_bmm(self, out: Node) -> Combine | None:
+        """bmm(w.view(T, 1, k), v.view(T, k, H)): the k slots of each token weighted and summed."""
+        left, right = out.args
+        table = self._weight_table(left)
+        flat = _flat_view_source(uncast(right), self.algebra.top_k)
+        if table is None or flat is None or const_int(shape(left)[1]) != 1:
+            return None
+        return self._in_slot_order(out, uncast(flat), table)
+
+    def _weight_table(self, node: object) -> Node | None:
+        """The [T, k] table a [T, k, 1] or [T, 1, k] view reads (cast allowed), else None."""
+        if not isinstance(node, Node):
+            return None
+        source = uncast(node)
+        while is_call(source, aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default):
+            source = uncast(source.args[0])
+        dims = shape(source)
+        if dims is None or len(dims) != 2 or const_int(dims[1]) != self.algebra.top_k or source is self.algebra.ids:
+            return None
+        return source if source.meta.get("val") is not None and source.meta["val"].is_floating_point() else None
+
+    def _in_slot_order(self, out: Node, rows: Node, weights: Node | None) -> Combine | None:
+        """Rows in slot order: as they are, read back through a permutation (y[inverse]), or scattered
+        into slot order by it (out[perm] = y, index_copy, scatter)."""
+        gathered = gather_parts(rows)
+        if gathered is not None:
+            by = self.algebra.index(gathered[1])
+            back = inverse_steps(by.steps) if isinstance(by, IndexMap) and by.domain == SLOTS else None
+            if back is not None:
+                return Combine(out, gathered[0], by.codomain, back, weights)
+        placed = self._scattered(rows, accumulate=False)
+        if placed is not None and placed[1].codomain == SLOTS:
+            return Combine(out, placed[0], placed[1].domain, placed[1].steps, weights)
+        return Combine(out, rows, SLOTS, (), weights)
+
+    def _scattered(self, node: Node, accumulate: bool) -> tuple[Node, IndexMap] | None:
+        """(values, map of their rows) of a row scatter into a fresh buffer (zeros when accumulating)."""
+        args = arguments(node) or {}
+        base = args.get("input")
+        if is_call(node, aten.index_put.default) and len(args.get("indices") or ()) == 1:
+            if bool(args.get("accumulate")) != accumulate:
+                return None
+            values, index = args["values"], args["indices"][0]
+        elif is_call(node, aten.index_copy.default) and not accumulate and args["dim"] == 0:
+            values, index = args["source"], args["index"]
+        elif is_call(node, aten.index_add.default) and accumulate and args["dim"] == 0 and args.get("alpha", 1) == 1:
+            values, index = args["source"], args["index"]
+        elif is_call(node, aten.scatter.src) and not accumulate and args["dim"] == 0:
+            values, index = args["src"], row_broadcast(args["index"])
+        elif is_call(node, aten.scatter_add.default) and accumulate and args["dim"] == 0:
+            values, index = args["src"], row_broadcast(args["index"])
+        else:
+            return None
+        if not (_zeros(base) if accumulate else _fresh(base)):
+            return None
+        by = self.algebra.index(index)
+        return (values, by) if isinstance(by, IndexMap) else None
+
+    def _add_by_token(self, out: Node) -> Combine | None:
+        """index_add / scatter_add / index_put(accumulate) into zeros [T, H] by the token of each row."""
+        placed = self._scattered(out, accumulate=True)
+        if placed is None:
+            return None
+        values, by = placed
+        if by.codomain != TOKENS or not by.steps:
+            return None
+        return Combine(out, values, by.domain, by.steps[:-1])
