@@ -34,6 +34,8 @@ FORMS = (
     "expert_parallel_sparse_loop",
     "mistral_where_loop",
     "torchtitan_grouped_experts",
+    "gpt_fast_gathered_einsum",
+    "sglang_native_einsum",
     "near_miss_input_scaled",
     "near_miss_mixed_activation",
     "near_miss_output_escapes",

@@ -45,11 +45,33 @@ STORAGES = {
     "dense_mask": ("modulelist", "stacked", "transposed", "separate"),
     "dense_scatter": ("modulelist", "stacked", "transposed", "separate"),
     "sparse_loop": ("modulelist", "stacked", "transposed", "separate"),
-    "grouped_mm": ("stacked", "transposed"),
+    "grouped_mm": ("stacked", "transposed", "separate"),
     "batched_mm": ("stacked", "transposed"),
     "hit_loop": ("stacked",),  # transformers 5.x `eager` experts: breaks the graph, never fusable
 }
 SHARED = ("none", "plain", "gated")
+# How each step of a sorted (grouped-GEMM) layer is spelled, drawn independently of the others, so that
+# the generator writes layers no finder was written against. "hf" steps are transformers 5.x's own.
+SPELLINGS = {
+    "perm": ("sort", "sort_stable", "argsort", "argsort_stable"),
+    "gather": ("index", "index_select", "gather"),
+    # bincount is left out: its output size is data-dependent, so dynamo breaks the graph on it
+    "counts": ("histc", "histc_to_E", "scatter_ones"),
+    "weights": ("rows", "combine_mul", "combine_bmm"),
+    "combine": (
+        "inverse_index_put",
+        "inverse_argsort",
+        "index_put_back",
+        "index_copy_back",
+        "scatter_back",
+        "index_add_by_token",
+        "scatter_add_by_token",
+        "index_put_by_token",
+    ),
+}
+BY_TOKEN = ("index_add_by_token", "scatter_add_by_token", "index_put_by_token")
+# Batched rows: x repeated k times, in the spellings of that one step.
+ROW_SPELLINGS = ("repeat_interleave", "index_arange", "index_select_arange")
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
 SIGMOID_SCALE = 2.5  # DeepSeek-V3's routed_scaling_factor
 
@@ -78,6 +100,12 @@ class Case:
     # held None: all of them.
     first_expert: int = 0
     held: int | None = None
+    # (step, spelling) pairs from SPELLINGS (grouped_mm) or ("rows", ...) (batched_mm); () for the
+    # transformers code the form mirrors.
+    spelling: tuple[tuple[str, str], ...] = ()
+
+    def spelled(self, step: str, default: str) -> str:
+        return dict(self.spelling).get(step, default)
 
     @property
     def expert_range(self) -> range:
@@ -139,7 +167,20 @@ def cases(draw) -> Case:
         second_tokens=second,
         strict=draw(st.booleans()),
         **_expert_range(draw, experts, num_experts),
+        spelling=_spelling(draw, experts, storage),
     )
+
+
+def _spelling(draw, experts: str, storage: str) -> tuple[tuple[str, str], ...]:
+    """Each step's spelling drawn on its own (weights in the combine need a combine in slot order)."""
+    if experts == "batched_mm":
+        return (("rows", draw(st.sampled_from(ROW_SPELLINGS))),)
+    if experts != "grouped_mm" or (storage != "separate" and draw(st.booleans())):
+        return ()  # half the stacked grouped cases keep transformers' own spelling
+    chosen = {step: draw(st.sampled_from(options)) for step, options in SPELLINGS.items()}
+    if chosen["combine"] in BY_TOKEN:
+        chosen["weights"] = "rows"
+    return tuple(sorted(chosen.items()))
 
 
 def _expert_range(draw, experts: str, num_experts: int) -> dict:
@@ -194,7 +235,7 @@ class Experts(nn.Module):
     def __init__(self, case: Case):
         super().__init__()
         e, h, i = case.num_experts, case.hidden, case.intermediate
-        self.storage, self.num_experts = case.storage, e
+        self.storage, self.num_experts, self.case = case.storage, e, case
         self.held = case.expert_range  # the experts the loops run (all unless expert parallel)
         self.act_fn = ACTIVATIONS[case.activation]
         self.is_transposed = case.storage == "transposed"
@@ -254,7 +295,10 @@ def sparse_loop(experts: Experts, x, ids, weights):
 
 
 def grouped_mm(experts: Experts, x, ids, weights):
-    """transformers 5.x grouped_mm_experts_forward (patterns/hf_grouped_mm.py), either layout."""
+    """transformers 5.x grouped_mm_experts_forward (patterns/hf_grouped_mm.py), either layout; or, with
+    a spelling drawn, the same computation written step by step in the drawn spellings."""
+    if experts.case.spelling:
+        return spelled_grouped_mm(experts, x, ids, weights, experts.case)
     k = ids.size(-1)
     sorted_ids, perm = torch.sort(ids.reshape(-1))
     offsets = torch.cumsum(_tokens_per_expert(sorted_ids, experts.num_experts), dim=0, dtype=torch.int32)
@@ -269,11 +313,86 @@ def grouped_mm(experts: Experts, x, ids, weights):
     return weighted[inverse].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
 
 
+def spelled_grouped_mm(experts: Experts, x, ids, weights, case: Case):
+    k, e, slots = ids.size(-1), experts.num_experts, ids.numel()
+    flat = ids.reshape(-1)
+    perm = {
+        "sort": lambda: torch.sort(flat)[1],
+        "sort_stable": lambda: torch.sort(flat, stable=True)[1],
+        "argsort": lambda: torch.argsort(flat),
+        "argsort_stable": lambda: torch.argsort(flat, stable=True),
+    }[case.spelled("perm", "sort")]()
+    token = perm // k
+    rows = {
+        "index": lambda: x[token],
+        "index_select": lambda: x.index_select(0, token),
+        "gather": lambda: torch.gather(x, 0, token.unsqueeze(-1).expand(-1, x.shape[-1])),
+    }[case.spelled("gather", "index")]()
+    counts = {
+        "histc": lambda: torch.histc(flat.float(), bins=e, min=0, max=e - 1),
+        "histc_to_E": lambda: torch.histc(flat.float(), bins=e, min=0, max=e),
+        "bincount": lambda: torch.bincount(flat, minlength=e),
+        "scatter_ones": lambda: torch.zeros(ids.shape[0], e, dtype=torch.long).scatter_(1, ids, 1).sum(0),
+    }[case.spelled("counts", "histc")]()
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    y = _grouped_experts(experts, rows, offsets)
+    placement = case.spelled("weights", "rows")
+    if placement == "rows":
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+    combine = case.spelled("combine", "inverse_index_put")
+    if combine in BY_TOKEN:
+        out = torch.zeros(x.shape[0], x.shape[-1], dtype=y.dtype)
+        if combine == "index_add_by_token":
+            return out.index_add(0, token, y).to(x.dtype)
+        if combine == "scatter_add_by_token":
+            return out.scatter_add(0, token.unsqueeze(-1).expand(-1, x.shape[-1]), y).to(x.dtype)
+        return out.index_put((token,), y, accumulate=True).to(x.dtype)
+    if combine.startswith("inverse"):
+        if combine == "inverse_argsort":
+            inverse = torch.argsort(perm)
+        else:
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(slots)
+        in_slots = y[inverse]
+    else:
+        buffer = torch.zeros(slots, x.shape[-1], dtype=y.dtype)
+        if combine == "index_put_back":
+            in_slots = buffer.index_put((perm,), y)
+        elif combine == "index_copy_back":
+            in_slots = buffer.index_copy(0, perm, y)
+        else:
+            in_slots = buffer.scatter(0, perm.unsqueeze(-1).expand(-1, x.shape[-1]), y)
+    per_token = in_slots.view(x.shape[0], k, x.shape[-1])
+    if placement == "combine_mul":
+        return (per_token * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1).to(x.dtype)
+    if placement == "combine_bmm":
+        return torch.bmm(weights.to(y.dtype).view(-1, 1, k), per_token).squeeze(1).to(x.dtype)
+    return per_token.sum(dim=1).to(x.dtype)
+
+
+def _grouped_experts(experts: Experts, rows, offsets):
+    """The expert MLPs over rows grouped by `offsets`: fused gate/up stacks or separate ones."""
+    if experts.storage == "separate":
+        h = experts.act_fn(_grouped_mm(rows, experts.gate.transpose(-2, -1), offsets))
+        h = h * _grouped_mm(rows, experts.up.transpose(-2, -1), offsets)
+        return _grouped_mm(h, experts.down_proj.transpose(-2, -1), offsets)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if not experts.is_transposed:
+        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    return _grouped_mm(experts.apply_gate(_grouped_mm(rows, gate_up, offsets)), down, offsets)
+
+
 def batched_mm(experts: Experts, x, ids, weights):
-    """transformers 5.x batched_mm_experts_forward (patterns/hf_batched_mm.py), either layout."""
+    """transformers 5.x batched_mm_experts_forward (patterns/hf_batched_mm.py), either layout; the rows
+    repeated k times in the case's spelling."""
     k = ids.size(-1)
     flat = ids.reshape(-1)
-    rows = x.repeat_interleave(k, dim=0)
+    slot_token = torch.arange(flat.numel()) // k
+    rows = {
+        "repeat_interleave": lambda: x.repeat_interleave(k, dim=0),
+        "index_arange": lambda: x[slot_token],
+        "index_select_arange": lambda: x.index_select(0, slot_token),
+    }[experts.case.spelled("rows", "repeat_interleave")]()
     out = batched_linear(rows, experts.gate_up_proj[flat], None, experts.is_transposed)
     out = batched_linear(experts.apply_gate(out), experts.down_proj[flat], None, experts.is_transposed)
     weighted = out * weights.reshape(-1).unsqueeze(-1)

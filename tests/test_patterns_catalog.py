@@ -94,6 +94,8 @@ def test_catalog_lists_the_forms_in_a_stable_order():
     "expert_parallel_sparse_loop",
         "mistral_where_loop",
         "torchtitan_grouped_experts",
+        "gpt_fast_gathered_einsum",
+        "sglang_native_einsum",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",
         "near_miss_output_escapes",

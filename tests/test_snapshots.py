@@ -272,6 +272,51 @@ graph(in0, in1, in2, in3, in4, in5, in6):
   %16 = aten.add.Tensor(in2, %15)
   return [%16]""")
 
+    def test_gpt_fast_gathered_einsum(self):
+        """gpt-fast's w[ids] einsums (views, permutes and bmms in the graph): one default call."""
+        self.assertExpectedInline(format_graph(rewritten_graph("gpt_fast_gathered_einsum")), """\
+graph(in0, in1, in2, in3, in4, in5, in6):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.unbind.int(in4, 0)
+  %12 = aten.unbind.int(in5, 0)
+  %13 = aten.unbind.int(in6, 0)
+  %14 = moe_passes.mixture_of_experts(%2, %8, %10, %11[0:4], %12[0:4], %13[0:4], True, 'silu', 0, 3)
+  %15 = aten.reshape(%14, [1, 6, 16])
+  %16 = aten.add.Tensor(in2, %15)
+  return [%16]""")
+
+    def test_sglang_native_einsum(self):
+        """SGLang's chunked w13[ids] einsums: one fused_weights call with w13 as the kernel's w12."""
+        self.assertExpectedInline(format_graph(rewritten_graph("sglang_native_einsum")), """\
+graph(in0, in1, in2, in3, in4, in5):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = aten.unbind.int(in4, 0)
+  %12 = aten.unbind.int(in5, 0)
+  %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
+  %14 = aten.reshape(%13, [1, 6, 16])
+  %15 = aten.add.Tensor(in2, %14)
+  return [%15]""")
+
     def test_hf517_grouped_mm_sentinel_masks_are_gone(self):
         """transformers 5.17's sentinel masks and id clamp are inside the replaced region."""
         self.assertExpectedInline(format_graph(rewritten_graph("hf517_grouped_mm")), """\

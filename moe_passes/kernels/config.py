@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_BLOCK_M = 16  # the smallest M a tensor-core dot takes
-
 
 @dataclass(frozen=True)
 class TileConfig:

@@ -22,6 +22,7 @@ from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate
 from .sentinels import through_id_clamp
+from .slots import SLOTS, SlotAlgebra
 
 aten = torch.ops.aten
 FORM = "batched_mm"
@@ -52,29 +53,6 @@ def _batched_linear(node: Node) -> tuple[Node, Node, Node, bool] | None:
     if gathered is not None and is_call(right, aten.unsqueeze.default) and right.args[1] in (-1, 2):
         return right.args[0], gathered[0], gathered[1], True
     return None
-
-
-def _repeated_rows(rows: Node, top_k: int) -> Node | None:
-    """x when rows = x.repeat_interleave(k, dim=0), which ATen spells expand(x[:, None], [T, k, H])."""
-    expand = rows
-    if is_call(expand, aten.expand.default):
-        source = expand.args[0]
-        sizes = list(expand.args[1])
-        if is_call(source, aten.unsqueeze.default) and source.args[1] == 1 and len(sizes) == 3:
-            if const_int(sizes[1]) == top_k:
-                return source.args[0]
-    if is_call(rows, aten.repeat_interleave.self_int) and const_int(rows.args[1]) == top_k:
-        return rows.args[0]
-    return None
-
-
-def _first_expand(node: Node) -> Node:
-    """Walk view/clone ops down to the expand that implements repeat_interleave (keeps the expand)."""
-    while is_call(
-        node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default
-    ):
-        node = node.args[0]
-    return node
 
 
 def _read_tail(out: Node) -> tuple:
@@ -123,16 +101,18 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no("expert biases are gathered with other ids than the weights", up_bias_ids)
     if strip_shape_ops(up_ids) is not strip_shape_ops(down_ids):
         return no("the two projections gather weights with different ids", up_ids)
-    hidden_states = _repeated_rows(_first_expand(rows), top_k)
-    if hidden_states is None:
-        return no("the batched rows are not the tokens repeated k times (repeat_interleave)", rows)
     num_experts = const_int(shape(gate_up_w)[0])
-    if const_int(shape(down_w)[0]) != num_experts:
-        return no("gate/up and down stacks hold different numbers of experts", down_w)
     unclamped_ids, ids_clamped = through_id_clamp(down_ids, num_experts)
     ids = slot_table(unclamped_ids, top_k)
     weights = slot_table(slot_weights, top_k, through_casts=True)
-    if ids is None or weights is None or shape(weights) != shape(ids):
+    if ids is None:
+        return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
+    rows_read = SlotAlgebra(ids, top_k).hidden_rows(rows)
+    if rows_read is None or (rows_read.domain, rows_read.slot) != (SLOTS, ()):
+        return no("the batched rows are not the tokens repeated k times (repeat_interleave)", rows)
+    if const_int(shape(down_w)[0]) != num_experts:
+        return no("gate/up and down stacks hold different numbers of experts", down_w)
+    if weights is None or shape(weights) != shape(ids):
         return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
     output = out
     users = list(out.users)
@@ -141,7 +121,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     return ExpertsMatch(
         form=FORM,
         output=output,
-        hidden=hidden_states,
+        hidden=rows_read.hidden,
         ids=ids,
         weights=weights,
         num_experts=num_experts,

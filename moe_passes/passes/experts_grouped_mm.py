@@ -114,6 +114,8 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         return None  # not a sorted region at all (another finder's combine)
     algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))
     combine = SlotCombines(algebra).read(out)
+    if combine is None and not is_call(out, aten.sum.dim_IntList):
+        return None  # a scatter, add or bmm that combines nothing: another step of some region
     if combine is None:
         return no("expert outputs are not gathered back to token order before the sum", out.args[0])
     order = combine.slot

@@ -23,6 +23,7 @@ from . import (
     experts_batched_mm,
     experts_dense_bmm,
     experts_dense_loop,
+    experts_einsum,
     experts_grouped_mm,
     experts_segments,
     experts_sparse_loop,
@@ -42,6 +43,7 @@ FINDERS: tuple[Finder, ...] = (
     experts_sparse_loop.FINDER,
     experts_dense_bmm.FINDER,
     experts_segments.FINDER,
+    experts_einsum.FINDER,
 )
 FORMS = tuple(f.name for f in FINDERS)
 

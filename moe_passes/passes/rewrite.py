@@ -70,6 +70,22 @@ def _cast(emit: _Emitter, node: Node, to: torch.dtype) -> Node:
     return emit.call(aten._to_copy.default, (node,), {"dtype": to})
 
 
+def _sizes_for(emit: _Emitter, output: Node, hidden: Node) -> list:
+    """`output`'s shape as reshape arguments: a symbolic size is never written as a bare SymInt (the
+    graph's code could not name it) but as -1 when it is the only one, else read off the hidden states
+    of the same shape."""
+    sizes = list(val(output).shape)
+    symbolic = [i for i, size in enumerate(sizes) if not isinstance(size, int)]
+    if len(symbolic) == 1:
+        sizes[symbolic[0]] = -1
+    elif symbolic:
+        if shape(hidden) != shape(output):
+            raise ValueError("the region's output has several symbolic sizes unlike the hidden states")
+        for i in symbolic:
+            sizes[i] = emit.call(aten.sym_size.int, (hidden, i))
+    return sizes
+
+
 def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
     """Emit the fused call for `match` and route the region's users to it; returns the fused node."""
     fake_mode = detect_fake_mode([val(match.output)])
@@ -106,7 +122,7 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
             fused.meta["val"] = op(*map_arg(args, val), **map_arg(kwargs, val))
         result = fused
         if shape(match.output) != shape(fused):
-            result = emit.call(aten.reshape.default, (result, list(val(match.output).shape)))
+            result = emit.call(aten.reshape.default, (result, _sizes_for(emit, match.output, match.hidden)))
         result = _cast(emit, result, dtype(match.output))
     match.output.replace_all_uses_with(result)
     return fused

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fx_utils import arguments, const_int, is_call, is_cast, is_getitem, shape
 
@@ -83,9 +84,21 @@ class Rows:
 
 @dataclass(frozen=True)
 class Identity:
-    """arange(n): the identity of whichever space of size n it is used in."""
+    """arange(n): the identity of whichever space of size n it is used in (n may be symbolic)."""
 
-    size: int
+    size: object
+
+
+def same_size(a: object, b: object) -> bool:
+    """Sizes proved equal: equal integers, or symbolic sizes the shape environment shows equal."""
+    if a is None or b is None:
+        return False
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - sizes the shape environment cannot compare are not proved equal
+        return False
 
 
 class SlotAlgebra:
@@ -113,7 +126,8 @@ class SlotAlgebra:
         if is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step):
             return self._arange(args)
         if is_getitem(node, 1) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
-            return self._sorted(node.args[0], node.args[0])
+            sort = node.args[0]  # argsort decomposes to sort(...)[1]: of the ids, or of a permutation
+            return self._sorted(sort, sort) or self._inverse(self.index(sort.args[0]), arguments(sort) or {})
         if is_getitem(node, 0) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
             perm = self._sorted(node.args[0], node.args[0])
             return IndexMap(perm.domain, compose(perm.steps, (Step("expert"),))) if perm else None
@@ -132,7 +146,7 @@ class SlotAlgebra:
 
     def _arange(self, args: dict) -> Identity | None:
         start, end, step = args.get("start", 0), args.get("end"), args.get("step", 1)
-        size = const_int(end)
+        size = end.meta.get("val") if isinstance(end, Node) else end
         return Identity(size) if start == 0 and step == 1 and size is not None else None
 
     def _sorted(self, sort: Node, perm: Node) -> IndexMap | None:
@@ -160,8 +174,13 @@ class SlotAlgebra:
             by = self.index(indices[0]) if len(indices) == 1 else None
         else:
             by, values = self.index(args.get("index")), args.get("src", args.get("source"))
-        if not isinstance(self.index(values), Identity) or not _fresh(args.get("input")):
+        while is_call(values, aten.view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim):
+            values = values.args[0]  # one slot: arange(1) is viewed as a scalar
+        identity = self.index(values)
+        if not isinstance(identity, Identity) or not _fresh(args.get("input")):
             return None
+        if not same_size(identity.size, self.slot_count()):
+            return None  # a shorter arange would broadcast: not the inverse
         return self._inverse(by, {})
 
     def _token_of(self, node: Node, args: dict) -> IndexMap | None:
@@ -171,22 +190,22 @@ class SlotAlgebra:
         source = self.index(args.get("input"))
         if const_int(args.get("other")) != self.top_k:
             return None
-        if isinstance(source, Identity) and source.size == self.slot_count():
+        if isinstance(source, Identity) and same_size(source.size, self.slot_count()):
             return IndexMap(SLOTS, (Step("token"),))
         if isinstance(source, IndexMap) and source.codomain == SLOTS:
             return IndexMap(source.domain, compose(source.steps, (Step("token"),)))
         return None
 
-    def slot_count(self) -> int | None:
-        tokens = const_int(shape(self.ids)[0]) if shape(self.ids) else None
-        return None if tokens is None else tokens * self.top_k
+    def slot_count(self) -> object:
+        """T * k, symbolic when the token count is."""
+        return shape(self.ids)[0] * self.top_k if shape(self.ids) else None
 
     # -- rows of x and per-slot values -------------------------------------------------------------
     def hidden_rows(self, node: Node) -> Rows | None:
         """x's rows, one per position, each the token of a slot: x[perm // k], index_select, gather with
         an expanded index, or x repeated k times (every slot in order)."""
         node = uncast(node)
-        repeated = _repeated_rows(node, self.top_k)
+        repeated = repeated_rows(node, self.top_k)
         if repeated is not None:
             return Rows(SLOTS, (), repeated)
         gathered = gather_parts(node)
@@ -331,7 +350,7 @@ def _fresh(node: object) -> bool:
     )
 
 
-def _repeated_rows(node: Node, top_k: int) -> Node | None:
+def repeated_rows(node: Node, top_k: int) -> Node | None:
     """x when node is x.repeat_interleave(k, dim=0), which ATen spells expand(x[:, None], [T, k, H])."""
     while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
         node = node.args[0]
