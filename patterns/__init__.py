@@ -46,6 +46,7 @@ FORMS = (
     "near_miss_llama4_dense_bmm",
     "near_miss_data_dependent_loop",
     "near_miss_torchtitan_score_before_experts",
+    "near_miss_deepspeed_capacity",
 )
 
 

@@ -109,15 +109,10 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, out, at)
 
-    ids = routing_ids(out)
-    if ids is None:
-        return None  # not a sorted region at all (another finder's combine)
-    algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))
-    combine = SlotCombines(algebra).read(out)
-    if combine is None and not is_call(out, aten.sum.dim_IntList):
-        return None  # a scatter, add or bmm that combines nothing: another step of some region
-    if combine is None:
-        return no("expert outputs are not gathered back to token order before the sum", out.args[0])
+    read = _sorted_combine(out)
+    if not isinstance(read, tuple):
+        return read if read is None else no(read, out.args[0])
+    ids, algebra, combine = read
     order = combine.slot
     if len(order) != 1 or order[0].kind != "perm":
         return no("the rows summed per token are not the slots in the order of one sort of the ids", combine.values)
@@ -167,6 +162,21 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         **bias_fields(gate.swiglu, up_bias, down_bias),
         assumes_ids_in_range=bool(bounds) or biases,
     )
+
+
+def _sorted_combine(out: Node) -> tuple[Node, SlotAlgebra, Combine] | str | None:
+    """(ids, their slot algebra, the combine `out` ends); why not (a k-slot sum that combines nothing);
+    None when `out` is no candidate (no sort of ids above it, or a scatter that combines nothing)."""
+    ids = routing_ids(out)
+    if ids is None:
+        return None  # not a sorted region at all (another finder's combine)
+    algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))
+    combine = SlotCombines(algebra).read(out)
+    if combine is not None:
+        return ids, algebra, combine
+    if is_call(out, aten.sum.dim_IntList):
+        return "expert outputs are not gathered back to token order before the sum"
+    return None  # a scatter, add or bmm that combines nothing: another step of some region
 
 
 def _perm_index(perm: Node) -> Node:

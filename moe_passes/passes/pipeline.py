@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
 from . import (
     experts_batched_mm,
+    experts_capacity,
     experts_dense_bmm,
     experts_dense_loop,
     experts_einsum,
@@ -44,6 +45,7 @@ FINDERS: tuple[Finder, ...] = (
     experts_dense_bmm.FINDER,
     experts_segments.FINDER,
     experts_einsum.FINDER,
+    experts_capacity.FINDER,
 )
 FORMS = tuple(f.name for f in FINDERS)
 
