@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, reference
 
 NAMESPACE = "moe_passes"
-ACTIVATIONS = ("silu", "gelu", "relu")
+ACTIVATIONS = tuple(reference.ACTIVATIONS)
 
 SCHEMAS = {
     "default": "mixture_of_experts(Tensor hidden_states, Tensor expert_routing_table, Tensor router_weights, "
@@ -51,13 +51,9 @@ class MoEInputError(ValueError):
 
 
 def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation applied to the gate projection; "gelu" is the tanh form, as in the Gaudi kernel."""
-    if name == "silu":
-        return F.silu
-    if name == "relu":
-        return F.relu
-    if name == "gelu":
-        return lambda t: F.gelu(t, approximate="tanh")
+    """The activation applied to the gate projection (the one table: reference.ACTIVATIONS)."""
+    if name in reference.ACTIVATIONS:
+        return reference.ACTIVATIONS[name]
     raise MoEInputError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 

@@ -13,17 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
+# The activations the fused kernel implements, by the name its `activation` argument takes: the one table
+# the portable op, its Triton kernel and the reference read. "gelu" is the tanh form, as on Gaudi's TPC
+# (an exact-erf GELU is not the kernel's).
+ACTIVATIONS = {
     "silu": F.silu,
+    "gelu": lambda t: F.gelu(t, approximate="tanh"),
     "relu": F.relu,
-    "gelu": lambda t: F.gelu(t, approximate="tanh"),  # the Gaudi TPC gelu is the tanh form
 }
 
 
 def _activation(name: str):
-    if name not in _ACTIVATIONS:
+    if name not in ACTIVATIONS:
         raise ValueError(f"mixture_of_experts reference: unknown activation {name!r}")
-    return _ACTIVATIONS[name]
+    return ACTIVATIONS[name]
 
 
 def padded_router_weights(table: torch.Tensor, weights: torch.Tensor, experts_max: int) -> torch.Tensor:

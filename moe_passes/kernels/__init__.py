@@ -11,10 +11,11 @@ import functools
 
 import torch
 
+from ..reference import ACTIVATIONS
 from .config import MoEConfig, TileConfig, choose_config
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-KERNEL_ACTIVATIONS = ("silu", "gelu", "relu")
+KERNEL_ACTIVATIONS = tuple(ACTIVATIONS)  # the Triton kernel implements every one
 
 
 @functools.cache

@@ -15,11 +15,6 @@ from ..fx_utils import TRANSPOSE_OPS, const_int, is_call, is_getitem, shape, str
 
 aten = torch.ops.aten
 
-# The activations the fused kernel implements (HPU_OP.md). Exact (erf) GELU is not among them: the
-# kernel's "gelu" is the tanh approximation.
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "relu")
-
-
 def activation_of(node: Node) -> tuple[str | None, str]:
     """(kernel activation name, description) for an activation node; name None when unsupported."""
     if is_call(node, aten.silu):
