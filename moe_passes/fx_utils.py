@@ -120,6 +120,13 @@ def is_cast(node: object) -> bool:
     return False
 
 
+def through_trailing_cast(out: Node) -> Node:
+    """`out`, or its single user when that is a cast (`.to(hidden dtype)` after the combine): the region's
+    output then includes the cast, which the fused call makes unnecessary (it returns that dtype)."""
+    users = list(out.users)
+    return users[0] if len(users) == 1 and is_cast(users[0]) else out
+
+
 def is_getitem(node: object, index: int | None = None) -> bool:
     if not isinstance(node, Node) or node.target is not operator.getitem:
         return False

@@ -15,7 +15,16 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_cast, shape, slot_table, strip_casts, strip_shape_ops, within
+from ..fx_utils import (
+    const_int,
+    is_call,
+    shape,
+    slot_table,
+    strip_casts,
+    strip_shape_ops,
+    through_trailing_cast,
+    within,
+)
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .finder import Finder, each_anchor
@@ -114,13 +123,9 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no("gate/up and down stacks hold different numbers of experts", down_w)
     if weights is None or shape(weights) != shape(ids):
         return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
-    output = out
-    users = list(out.users)
-    if len(users) == 1 and is_cast(users[0]):
-        output = users[0]
     return ExpertsMatch(
         form=FORM,
-        output=output,
+        output=through_trailing_cast(out),
         hidden=rows_read.hidden,
         ids=ids,
         weights=weights,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_cast, is_getitem, shape, strip_casts, val
+from ..fx_utils import const_int, is_call, is_getitem, shape, strip_casts, through_trailing_cast, val
 from .axes import contraction, frontier
 from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
@@ -98,7 +98,7 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
         return no("gate/up and down stacks hold different numbers of experts", down_w)
     return ExpertsMatch(
         form=FORM,
-        output=_final_output(out),
+        output=through_trailing_cast(out),
         hidden=hidden,
         ids=ids,
         weights=table,
@@ -185,11 +185,6 @@ def halves_of(split: Node, width: object) -> bool:
     pieces = split.args[1]
     pieces = list(pieces) if isinstance(pieces, list | tuple) else [pieces, pieces]
     return len(pieces) == 2 and const_int(pieces[0]) == const_int(pieces[1]) and const_int(pieces[0]) * 2 == const_int(width)
-
-
-def _final_output(out: Node) -> Node:
-    users = list(out.users)
-    return users[0] if len(users) == 1 and is_cast(users[0]) else out
 
 
 # The combine's bmm ends the region; with one slot (k = 1) einsum writes it as a product.

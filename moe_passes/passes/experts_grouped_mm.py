@@ -24,6 +24,7 @@ from ..fx_utils import (
     is_getitem,
     shape,
     strip_casts,
+    through_trailing_cast,
     within,
 )
 from .biases import bias_fields
@@ -151,7 +152,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         return no(stacks[0], {"weights": down_w, "offsets": offs}.get(stacks[1], stacks[1]))
     return ExpertsMatch(
         form=FORM,
-        output=_final_output(combine.output),
+        output=through_trailing_cast(combine.output),
         hidden=hidden.hidden,
         ids=ids,
         weights=table,
@@ -270,14 +271,6 @@ def _read_biases(swiglu, up: tuple, down: tuple, num_experts, algebra: SlotAlgeb
     if not (algebra.index(up_bias_ids) == sorted_ids == algebra.index(down_bias_ids)):
         return "expert biases are not gathered with the sorted expert ids", up_bias_ids
     return up_clamped or down_clamped
-
-
-def _final_output(out: Node) -> Node:
-    """Include a trailing `.to(hidden dtype)` in the region: the fused call already returns that dtype."""
-    users = list(out.users)
-    if len(users) == 1 and is_cast(users[0]):
-        return users[0]
-    return out
 
 
 def _split_product(mul: Node, unmask) -> tuple[Node | None, Node | None]:

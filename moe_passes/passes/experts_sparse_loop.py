@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_cast, shape, strip_casts, strip_shape_ops
+from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops, through_trailing_cast
 from .experts_dense_loop import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
@@ -130,11 +130,7 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
         tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
     if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
         return no("the accumulator does not hold one row per token of the hidden states", base)
-    output = end
-    users = list(end.users)
-    if len(users) == 1 and is_cast(users[0]):
-        output = users[0]
-    return match_terms(output, terms, FORM)
+    return match_terms(through_trailing_cast(end), terms, FORM)
 
 
 # Each link is an index_add (or an accumulating index_put) into the output.
