@@ -93,6 +93,16 @@ class Router(nn.Module):
         return route(self.gate(x), self.top_k, self.routing, self.router_fp32, x.dtype)
 
 
+class SourceRouter(Router):
+    """The same bias-free gate, with the routing its source writes in the subclass's `forward` (the
+    catalog's routing options do not apply)."""
+
+    def __init__(self, cfg: dict):
+        nn.Module.__init__(self)
+        self.gate = nn.Linear(cfg["hidden"], cfg["num_experts"], bias=False)
+        self.top_k = cfg["top_k"]
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with nn.Linear projections (gate_proj / up_proj / down_proj names).
 

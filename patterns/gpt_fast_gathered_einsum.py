@@ -17,19 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ACTIVATIONS, Router, TinyDecoder, finish, settings
+from ._common import ACTIVATIONS, SourceRouter, TinyDecoder, finish, settings
 from ._expected import Expected
 
 EXPECTED = Expected(fused=2, overload="default")
 
 
-class MoeGate(Router):
+class MoeGate(SourceRouter):
     """`MOEFeedForward`'s gate and routing: softmax in the model dtype, top-k, renormalised."""
-
-    def __init__(self, cfg: dict):
-        nn.Module.__init__(self)
-        self.gate = nn.Linear(cfg["hidden"], cfg["num_experts"], bias=False)
-        self.top_k = cfg["top_k"]
 
     def forward(self, x: torch.Tensor):
         weights, ids = torch.topk(F.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)

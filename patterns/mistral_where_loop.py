@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ACTIVATIONS, Router, TinyDecoder, finish, settings
+from ._common import ACTIVATIONS, SourceRouter, TinyDecoder, finish, settings
 from ._expected import Expected
 from ._sparse_loop import DYNAMO_CONFIG
 
@@ -29,13 +29,8 @@ EXPECTED = Expected(fused=2, overload="default")
 __all__ = ["DYNAMO_CONFIG", "EXPECTED", "build"]
 
 
-class TopkFirstGate(Router):
+class TopkFirstGate(SourceRouter):
     """mistral's gate and routing: top-k on the logits, softmax over the k in float32, cast back."""
-
-    def __init__(self, cfg: dict):
-        nn.Module.__init__(self)
-        self.gate = nn.Linear(cfg["hidden"], cfg["num_experts"], bias=False)
-        self.top_k = cfg["top_k"]
 
     def forward(self, x: torch.Tensor):
         logits, ids = torch.topk(self.gate(x), self.top_k)

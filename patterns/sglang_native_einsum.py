@@ -18,19 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ACTIVATIONS, Router, TinyDecoder, finish, settings
+from ._common import ACTIVATIONS, SourceRouter, TinyDecoder, finish, settings
 from ._expected import Expected
 
 EXPECTED = Expected(fused=2, overload="fused_weights")
 
 
-class NativeTopK(Router):
+class NativeTopK(SourceRouter):
     """`fused_topk_torch_native`: float32 softmax, top-k, renormalised (weights stay float32)."""
-
-    def __init__(self, cfg: dict):
-        nn.Module.__init__(self)
-        self.gate = nn.Linear(cfg["hidden"], cfg["num_experts"], bias=False)
-        self.top_k = cfg["top_k"]
 
     def forward(self, x: torch.Tensor):
         weights, ids = torch.topk(F.softmax(self.gate(x).float(), dim=-1), self.top_k, dim=-1)

@@ -23,20 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import ACTIVATIONS, Router, TinyDecoder, finish, settings
+from ._common import ACTIVATIONS, SourceRouter, TinyDecoder, finish, settings
 from ._expected import Expected
 from .hf_grouped_mm import ALIGNMENT_BYTES
 
 EXPECTED = Expected(fused=2, overload="default")
 
 
-class TokenChoiceRouter(Router):
+class TokenChoiceRouter(SourceRouter):
     """torchtitan's `TokenChoiceTopKRouter` (softmax score function, no expert bias, no route_norm)."""
-
-    def __init__(self, cfg: dict):
-        nn.Module.__init__(self)
-        self.gate = nn.Linear(cfg["hidden"], cfg["num_experts"], bias=False)
-        self.top_k = cfg["top_k"]
 
     def forward(self, x: torch.Tensor):
         scores = F.softmax(self.gate(x).float(), dim=1)
