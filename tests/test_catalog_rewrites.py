@@ -14,7 +14,7 @@ FUSED = sorted(n for n, f in FORMS.items() if f.EXPECTED.fused)
 # (DeepSeek-V3's grouped sigmoid router, transformers 4.x GPT-OSS's [T, E] score table, GraniteMoE's gate).
 OWN_ROUTERS = ("deepseek_v3_routing", "gpt_oss4_hit_loop", "gpt_oss4_dense_bmm", "granite4_segments",
               "aria4_offset_segments", "mistral_where_loop", "torchtitan_grouped_experts",
-              "gpt_fast_gathered_einsum", "sglang_native_einsum")
+              "gpt_fast_gathered_einsum", "sglang_native_einsum", "megatron_sequential_mlp")
 ROUTED_BY_CATALOG = [n for n in FUSED if n not in OWN_ROUTERS]
 
 

@@ -174,6 +174,10 @@ def test_whole_expert_mlps_on_split_segments_put_back_by_the_permutation_are_fus
 
     cfg = settings({"layers": 1, **overrides})
     model, inputs = finish(TinyDecoder(SplitModuleListMoE, cfg), cfg)
+    _assert_one_segments_layer_fused(model, inputs)
+
+
+def _assert_one_segments_layer_fused(model, inputs):
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert [f.form for f in report.fused] == ["segments"], str(report)
@@ -186,4 +190,69 @@ def test_outputs_added_into_another_tensor_are_not_fused():
     model.moes[0].__class__ = AddedIntoTheInput
     report, output, recorder = run_hpu_moe(model, inputs)
     assert report.graph_break_count == 0 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Megatron-core's expert-major permutation (patterns/megatron_sequential_mlp.py): other spellings of it
+
+
+MEGATRON = catalog()["megatron_sequential_mlp"]
+
+
+def _megatron_tables(moe, hidden):
+    """Megatron's router and dense tables: (routing probs [T, E], routing map [T, E])."""
+    probs, ids = moe.router(hidden)
+    table = torch.zeros(hidden.shape[0], len(moe.local_experts), dtype=probs.dtype)
+    return table.scatter(1, ids, probs), table.int().scatter(1, ids, 1).bool()
+
+
+class MaskedSelectPermute(MEGATRON.SequentialMoE):
+    """Megatron's earlier `permute` (still in code derived from it): the tokens of the expert-major
+    map's true cells by `arange(T).expand(E, T).masked_select(map.T)`, the probs by `masked_select`."""
+
+    unstable_sort = False
+
+    def forward(self, x):
+        hidden = x.view(-1, x.shape[-1])
+        routing_probs, routing_map = _megatron_tables(self, hidden)
+        counts = routing_map.sum(dim=0).long().cpu()
+        mask = routing_map.T.contiguous()
+        if self.unstable_sort:
+            cells = mask.reshape(-1).argsort(descending=True)[: int(counts.sum().item())]
+            token_of_row = cells % hidden.shape[0]
+        else:
+            tokens = torch.arange(hidden.shape[0]).unsqueeze(0).expand(len(self.local_experts), -1)
+            token_of_row = tokens.masked_select(mask)
+        permuted_probs = routing_probs.T.contiguous().masked_select(mask)
+        permuted = hidden.index_select(0, token_of_row)
+        sizes = counts.tolist()
+        rows, row_probs = torch.split(permuted, sizes), torch.split(permuted_probs, sizes)
+        outputs = [expert(r, p) for expert, r, p in zip(self.local_experts, rows, row_probs, strict=True)]
+        index = token_of_row.unsqueeze(1).expand(-1, hidden.shape[-1])
+        return torch.zeros_like(hidden).scatter_add_(0, index, torch.cat(outputs, dim=0)).view(x.shape)
+
+
+class UnstableCellSort(MaskedSelectPermute):
+    """A descending sort that is not stable: within an expert the cells come in any order, so the probs
+    read by `masked_select` (row-major order) need not belong to the rows they scale."""
+
+    unstable_sort = True
+
+
+@pytest.mark.parametrize("moe_class", [None, MaskedSelectPermute], ids=["argsort_cells", "masked_select"])
+@pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6), dict(top_k=1)], ids=["default", "decode", "top1"])
+def test_megatron_permutations_are_fused_and_equal(moe_class, overrides):
+    model, inputs = MEGATRON.build(layers=1, **overrides)
+    if moe_class is not None:
+        model.moes[0].__class__ = moe_class
+    _assert_one_segments_layer_fused(model, inputs)
+
+
+def test_megatron_unstable_cell_sort_is_declined():
+    model, inputs = MEGATRON.build(layers=1)
+    model.moes[0].__class__ = UnstableCellSort
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count == 0 and not recorder.fused_nodes(), str(report)
+    assert len(report.declined) == 1 and "not ordered by sorting" in report.declined[0].reason, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))

@@ -317,6 +317,25 @@ graph(in0, in1, in2, in3, in4, in5):
   %15 = aten.add.Tensor(in2, %14)
   return [%15]""")
 
+    def test_megatron_sequential_mlp(self):
+        """Megatron's expert-major cell permutation, host-side split and scatter_add: one fused_weights call;
+        the counts, cell sort and split the layer read are gone with it."""
+        self.assertExpectedInline(format_graph(rewritten_graph("megatron_sequential_mlp")), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten.topk(%4, 2, 1)
+  %6 = getitem(%5, 0)
+  %7 = getitem(%5, 1)
+  %8 = aten._softmax(%6, -1, False)
+  %9 = moe_passes.mixture_of_experts.fused_weights(%2, %7, %8, [in4, in6, in8, in10], [in5, in7, in9, in11], True, 'silu', 0, 3)
+  %10 = aten.reshape(%9, [1, 6, 16])
+  %11 = aten.add.Tensor(in2, %10)
+  return [%11]""")
+
     def test_hf517_grouped_mm_sentinel_masks_are_gone(self):
         """transformers 5.17's sentinel masks and id clamp are inside the replaced region."""
         self.assertExpectedInline(format_graph(rewritten_graph("hf517_grouped_mm")), """\

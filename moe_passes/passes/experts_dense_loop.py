@@ -29,7 +29,16 @@ from ..fx_utils import (
 from . import probe
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import ClampedSwiglu, Projection, activation_of, clamped_swiglu, gated_product, halves, projection
+from .mlp import (
+    ClampedSwiglu,
+    Projection,
+    activation_of,
+    clamped_swiglu,
+    gated_product,
+    halves,
+    projection,
+    row_scaled,
+)
 
 aten = torch.ops.aten
 FORM = "dense_loop"
@@ -99,22 +108,24 @@ def _read_mlp(node: Node) -> dict | None:
     down = projection(node)
     if down is None:
         return _read_swiglu_mlp(node)
-    product = gated_product(down.input)
+    product, scaled_by = gated_product(down.input), None
+    if product is None and row_scaled(down.input) is not None:
+        inner, scaled_by = row_scaled(down.input)
+        product = gated_product(inner)
     if product is None:
         return None
     activation, desc = activation_of(product.activation_node)
+    read = dict(down=down, act=activation, desc=desc, scaled_by=scaled_by)
     split = halves(product.gate, product.up)
     if split is not None:
         fused = projection(split[0])
         if fused is None:
             return None
-        return dict(
-            hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=activation, desc=desc
-        )
+        return dict(hidden=fused.input, gate_up=fused, gate=None, up=None, **read)
     gate, up = projection(product.gate), projection(product.up)
     if gate is None or up is None or gate.input is not up.input:
         return None
-    return dict(hidden=gate.input, gate_up=None, gate=gate, up=up, down=down, act=activation, desc=desc)
+    return dict(hidden=gate.input, gate_up=None, gate=gate, up=up, **read)
 
 
 def read_term(node: Node) -> ExpertTerm | None:
@@ -124,9 +135,11 @@ def read_term(node: Node) -> ExpertTerm | None:
         for a, b in ((node_s.args[0], node_s.args[1]), (node_s.args[1], node_s.args[0])):
             if isinstance(a, Node) and isinstance(b, Node):
                 mlp = _read_mlp(strip_casts(a))
-                if mlp is not None:
+                if mlp is not None and mlp.get("scaled_by") is None:
                     return _term(node, strip_casts(a), b, mlp)
     mlp = _read_mlp(node_s)
+    if mlp is not None and mlp.get("scaled_by") is not None:  # scaled before the down projection
+        return _term(node, node_s, mlp.get("scaled_by"), mlp)
     if mlp is not None:  # an unscaled MLP: is its input scaled instead?
         hidden = strip_casts(mlp["hidden"])
         scaled_by = None

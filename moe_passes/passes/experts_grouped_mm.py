@@ -16,11 +16,9 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import (
-    SHAPE_ONLY_OPS,
     arguments,
     const_int,
     is_call,
-    is_cast,
     is_getitem,
     shape,
     strip_casts,
@@ -33,7 +31,7 @@ from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import stacked_gate, stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
-from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, Step, compose, uncast
+from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, Step, compose, sorted_ids, uncast
 
 aten = torch.ops.aten
 FORM = "grouped_mm"
@@ -76,34 +74,6 @@ ANCHORS = (
 def _feeds_from_grouped_mm(node: Node) -> bool:
     """Cheap pre-filter: a grouped_mm within a few steps above the combine."""
     return within(node, 10, is_grouped_mm)
-
-
-def routing_ids(out: Node, depth: int = 40) -> Node | None:
-    """The [T, k] ids whose flat view a sort (or argsort) above `out` orders: the routing of the region."""
-    seen, frontier = set(), [out]
-    for _ in range(depth):
-        next_frontier = []
-        for node in frontier:
-            for source in node.all_input_nodes:
-                if source in seen:
-                    continue
-                seen.add(source)
-                if is_call(source, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable):
-                    table = _table_viewed(source.args[0])
-                    if table is not None:
-                        return table
-                next_frontier.append(source)
-        frontier = next_frontier
-    return None
-
-
-def _table_viewed(flat: Node) -> Node | None:
-    """The 2-D [T, k] tensor a flat view reads (casts allowed): where its view chain starts, else the
-    first 2-D step on the way (a router that reshapes [B, S, k] to [T, k] last)."""
-    chain = [flat]
-    while is_call(chain[-1], *SHAPE_ONLY_OPS) or is_cast(chain[-1]):
-        chain.append(chain[-1].args[0])
-    return next((n for n in (chain[-1], *chain) if len(shape(n) or ()) == 2), None)
 
 
 def match_at(out: Node) -> ExpertsMatch | Decline | None:
@@ -168,7 +138,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
 def _sorted_combine(out: Node) -> tuple[Node, SlotAlgebra, Combine] | str | None:
     """(ids, their slot algebra, the combine `out` ends); why not (a k-slot sum that combines nothing);
     None when `out` is no candidate (no sort of ids above it, or a scatter that combines nothing)."""
-    ids = routing_ids(out)
+    ids = sorted_ids(out)
     if ids is None:
         return None  # not a sorted region at all (another finder's combine)
     algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))

@@ -22,13 +22,13 @@ its weight.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch.fx import Node
 
 from ..fx_utils import (
     METADATA_ONLY_OPS,
+    SHAPE_ONLY_OPS,
     const_int,
     is_call,
     is_cast,
@@ -36,25 +36,49 @@ from ..fx_utils import (
     shape,
     strip_casts,
     strip_shape_ops,
+    through_trailing_cast,
 )
 from . import probe
 from .experts_dense_loop import ExpertTerm, is_zero_init, read_term, role_weights
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
 from .mlp import activation_of, gated_product, halves, projection
+from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, gather_parts, sorted_ids
 
 aten = torch.ops.aten
 FORM = "segments"
 
 
 def _candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
-    """Joins of two or more pieces whose result is combined back into token order."""
+    """Joins of two or more pieces whose result flows on to a scatter or a sum back to the tokens."""
     found = []
     for node in anchors:
         join = _joined(node)
-        if join is not None and len(join.pieces) >= 2 and _combined(node) is not None:
-            found.append(Candidate(node, join))
+        path = _combine_path(node) if join is not None and len(join.pieces) >= 2 else None
+        if path:
+            found.append(Candidate(node, (join, path)))
     return found
+
+
+def _combine_path(join: Node, depth: int = 8) -> list[Node] | None:
+    """The single users from `join` on (weights multiplied in, views, an unpermuting scatter) down to a
+    scatter-add by token or a sum over the slots; None when the joined rows go elsewhere."""
+    path, node, unpermuted = [], join, False
+    for _ in range(depth):
+        users = [u for u in node.users if not is_call(u, *METADATA_ONLY_OPS)]  # empty_like(y): no values
+        if len(users) != 1:
+            break
+        node = users[0]
+        path.append(node)
+        if is_call(node, *_ADDS_BY_ROW) or is_call(node, aten.sum.dim_IntList, aten.bmm.default):
+            return path
+        unpermuted |= is_call(node, aten.index_put.default, aten.index_copy.default, aten.scatter.src)
+        if not (unpermuted or is_call(node, aten.mul.Tensor) or is_cast(node) or is_call(node, *SHAPE_ONLY_OPS)):
+            return None
+    return path if unpermuted else None
+
+
+_ADDS_BY_ROW = (aten.index_add.default, aten.scatter_add.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,71 +188,6 @@ def _bound(terms: tuple, env: dict, length: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The sort and the way back to token order
-
-
-def _sort_permutation(node: Node) -> Node | None:
-    """flat ids when `node` is sort(flat ids).indices (ascending) or argsort(flat ids)."""
-    if is_getitem(node, 1) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
-        sort = node.args[0]
-        descending = sort.kwargs.get("descending", sort.args[2] if len(sort.args) > 2 and isinstance(sort.args[2], bool) else False)
-        if sort.target is aten.sort.stable:
-            descending = sort.kwargs.get("descending", False)
-        return None if descending else sort.args[0]
-    if is_call(node, aten.argsort.default, aten.argsort.stable) and not node.kwargs.get("descending", False):
-        return node.args[0]
-    return None
-
-
-def _slot_ids(flat: Node) -> Node | None:
-    """ids [T, k] when `flat` is ids.view(-1) (or flatten)."""
-    ids = strip_shape_ops(flat)
-    if ids is flat or len(shape(flat)) != 1 or len(shape(ids) or ()) != 2:
-        return None
-    return ids
-
-
-def _token_of_slot(node: Node, perm: Node, top_k: int) -> bool:
-    """`node` is perm // k (trunc or floor division)."""
-    if is_call(node, aten.div.Tensor_mode) and node.kwargs.get("rounding_mode") in ("trunc", "floor"):
-        return node.args[0] is perm and node.args[1] == top_k
-    if is_call(node, aten.floor_divide.default, aten.floor_divide.Scalar):
-        return node.args[0] is perm and node.args[1] == top_k
-    return False
-
-
-def _combined(cat: Node) -> tuple[str, Node, Node, Node, Node] | None:
-    """(how, output, perm, slot weights, token index) of the way `cat`'s rows go back to the tokens."""
-    users = [u for u in cat.users if not is_call(u, *METADATA_ONLY_OPS)]  # empty_like(y), sizes: no values
-    if len(users) != 1:
-        return None
-    user = users[0]
-    if is_call(user, aten.mul.Tensor):  # index_add(zeros, 0, perm // k, y * w_flat[perm][:, None])
-        scale = user.args[1] if user.args[0] is cat else user.args[0]
-        adds = [u for u in user.users if is_call(u, aten.index_add.default)]
-        if len(user.users) != 1 or not adds or adds[0].args[1] != 0 or adds[0].args[3] is not user:
-            return None
-        if not is_zero_init(adds[0].args[0]):  # into another tensor: the output is not the MoE alone
-            return None
-        gathered = strip_shape_ops(scale)
-        if not (is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1):
-            return None
-        return "index_add", adds[0], gathered.args[1][0], gathered.args[0], adds[0].args[2]
-    values = cat
-    if is_call(user, *_VIEWS) and len(user.users) == 1 and shape(user) is not None and shape(cat) is not None:
-        # one slot (T * k == 1): out[perm] = y puts y's [H] view, broadcast to the one row
-        if math.prod(shape(user)) == math.prod(shape(cat)) and len(shape(user)) == 1:
-            values, user = user, next(iter(user.users))
-    accumulates = len(user.args) > 3 and user.args[3]
-    if is_call(user, aten.index_put.default) and user.args[2] is values and len(user.args[1]) == 1 and not accumulates:
-        # out[perm] = y with perm a permutation of every row: all rows overwritten (DeepSeek-V2's combine)
-        return "unpermute", user, user.args[1][0], None, None
-    if is_call(user, aten.index_copy.default) and user.args[1] == 0 and user.args[3] is cat:
-        return "unpermute", user, user.args[2], None, None  # Aria's index_copy_(0, perm, y)
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------
 # The experts, segment by segment
 
 
@@ -237,7 +196,7 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     ((e, segment) is appended to `segments` for each cut, the input's first; which rows each cut takes
     is checked on probes)."""
     term = read_term(piece)
-    if term is not None and term.coefficient is None and term.input_scaled_by is None:
+    if term is not None and term.input_scaled_by is None:
         segment = _segment(strip_shape_ops(term.hidden))
         if segment is None:
             return f"expert {e}'s input is not a segment of the sorted rows"
@@ -265,12 +224,11 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
 
 
-def match_at(join: Join) -> ExpertsMatch | Decline:
-    cat = join.node
-    how, output, perm, slot_weights, token_index = _combined(cat)
+def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
+    join, path = found
 
     def no(reason: str, at: Node | None = None) -> Decline:
-        return Decline(FORM, reason, output, at)
+        return Decline(FORM, reason, path[-1], at)
 
     segments: list[tuple[int, Segment]] = []
     terms = []
@@ -284,78 +242,69 @@ def match_at(join: Join) -> ExpertsMatch | Decline:
         inputs.append(segments[first][1].rows)
         if join.placed:
             segments.append((e, join.placed[e]))
-    flat = _sort_permutation(perm)
-    ids = _slot_ids(flat) if flat is not None else None
-    if ids is None:
-        return no("the rows are not ordered by sorting the flat expert ids", perm)
-    top_k, experts = const_int(shape(ids)[1]), len(terms)
     sorted_rows = strip_shape_ops(inputs[0])
-    gathered = _gathered_rows(sorted_rows)
-    if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or gathered is None:
+    if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or gather_parts(sorted_rows) is None:
         return no("the experts do not read segments of one gather of the hidden states", inputs[0])
-    hidden, row_tokens = gathered
-    if not _token_of_slot(row_tokens, perm, top_k):
-        return no("the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows)
-    reason = _segments_are_runs(segments, ids, experts)
+    read = _sorted_rows(sorted_rows, path)
+    if isinstance(read[0], str):
+        return no(*read)
+    algebra, rows, combine = read
+    weights = _routing_weights(join, combine, terms, algebra, segments)
+    if isinstance(weights, tuple):
+        return no(*weights)
+    reason = _segments_are_runs(segments, algebra.ids, len(terms))
     if reason is not None:
-        return no(reason, cat)
-    if how == "index_add":
-        weights = _slot_weights(slot_weights, top_k)
-        if weights is None or not _token_of_slot(token_index, perm, top_k):
-            return no("the expert outputs are not added back to their tokens with their slot's weight", output)
-    else:
-        output, weights = _unpermuted_sum(output, top_k)
-        if output is None:
-            return no("the unpermuted outputs are not weighted and summed over the k slots", cat)
-    return _match(output, terms, hidden, ids, weights, top_k, no)
+        return no(reason, join.node)
+    output = through_trailing_cast(combine.output)
+    return _match(output, terms, rows.hidden, algebra.ids, weights, algebra.top_k, no)
 
 
-def _gathered_rows(node: Node) -> tuple[Node, Node] | None:
-    """(x, index) for x[index] or x.index_select(0, index)."""
-    if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1:
-        return node.args[0], node.args[1][0]
-    if is_call(node, aten.index_select.default) and node.args[1] == 0:
-        return node.args[0], node.args[2]
-    return None
+def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows, Combine] | tuple[str, Node]:
+    """The slot algebra of the ids the rows are sorted by, the rows it reads and the combine on `path`
+    that brings them back to the same tokens; else (why not, where)."""
+    ids = sorted_ids(sorted_rows)
+    if ids is None or len(shape(ids) or ()) != 2 or const_int(shape(ids)[1]) is None:
+        return "the rows are not ordered by sorting the flat expert ids", sorted_rows
+    algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))
+    by = algebra.index(gather_parts(sorted_rows)[1])
+    rows = algebra.hidden_rows(sorted_rows)
+    if not isinstance(by, IndexMap) or not (rows is None or algebra.expert_ordered(rows)):
+        return "the rows are not ordered by sorting the flat expert ids (nor by the expert-major cells of their one-hot table)", sorted_rows
+    if rows is None:
+        return "the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows
+    combines = SlotCombines(algebra)
+    combine = next((c for c in map(combines.read, path) if c is not None), None)
+    if combine is None:
+        return "the expert outputs are not added back to their tokens, nor weighted and summed over the k slots", path[-1]
+    if (combine.domain, combine.slot) != (rows.domain, rows.slot):
+        return "the expert outputs are not brought back to the tokens their rows were read from", combine.output
+    return algebra, rows, combine
 
 
-def _slot_weights(gathered_from: Node, top_k: int) -> Node | None:
-    """w [T, k] when `gathered_from` is w.view(-1)."""
-    weights = strip_shape_ops(strip_casts(gathered_from))
-    shaped = shape(weights)
-    return weights if shaped is not None and len(shaped) == 2 and const_int(shaped[1]) == top_k else None
-
-
-def _unpermuted_sum(put: Node, top_k: int) -> tuple[Node | None, Node | None]:
-    """(output, w) for (put.view(T, k, H) * w[..., None]).sum(1), casts and re-views allowed."""
-    node = _through_views(put)
-    users = list(node.users)
-    if len(users) != 1 or not is_call(users[0], aten.mul.Tensor) or len(shape(node) or ()) != 3:
-        return None, None
-    product = users[0]
-    scale = product.args[1] if product.args[0] is node else product.args[0]
-    weights = strip_shape_ops(strip_casts(scale))
-    summed = _through_views(product)  # an in-place mul_ on a view comes back viewed to [T, k, H]
-    if const_int(shape(node)[1]) != top_k or shape(summed) != shape(product) or len(summed.users) != 1:
-        return None, None
-    total = next(iter(summed.users))
-    if not is_call(total, aten.sum.dim_IntList) or list(total.args[1]) not in ([1], [-2]):
-        return None, None
-    if shape(weights) is None or len(shape(weights)) != 2:
-        return None, None
-    if len(total.users) == 1 and is_cast(next(iter(total.users))):
-        total = next(iter(total.users))
-    return total, weights
-
-
-def _through_views(node: Node) -> Node:
-    """Follow `node`'s single users while they only view or cast it."""
-    while len(node.users) == 1 and (is_call(next(iter(node.users)), *_VIEWS) or is_cast(next(iter(node.users)))):
-        node = next(iter(node.users))
-    return node
-
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _routing_weights(join: Join, combine: Combine, terms: list, algebra: SlotAlgebra, segments: list) -> Node | tuple:
+    """The [T, k] routing weights, read where the layer applies them: in the combine (a view-sum with
+    w[..., None]), to the joined rows (y * w.view(-1)[perm, None]), or in each expert before its down
+    projection (Megatron: segments of one per-row weight list, appended to `segments` for the probes)."""
+    values = strip_casts(combine.values)
+    scaled = [t.coefficient for t in terms if t.coefficient is not None]
+    if values is join.node and combine.weights is not None and not scaled:
+        return combine.weights
+    if values is join.node and combine.weights is None and len(scaled) == len(terms):
+        cuts = [_segment(strip_casts(c)) for c in scaled]
+        if any(c is None for c in cuts) or len({c.rows for c in cuts}) != 1:
+            return "the experts' routing weights are not segments of one list of per-row weights", scaled[0]
+        read = algebra.slot_values(cuts[0].rows)
+        if read is None or read[1] != Rows(combine.domain, combine.slot):
+            return "routing weights are not permuted like the rows", cuts[0].rows
+        segments.extend(enumerate(cuts))
+        return read[0]
+    if is_call(values, aten.mul.Tensor) and combine.weights is None and not scaled:
+        sides = [(a, b) for a, b in (values.args, values.args[::-1]) if isinstance(a, Node) and strip_casts(a) is join.node]
+        read = algebra.slot_values(sides[0][1]) if sides and isinstance(sides[0][1], Node) else None
+        if read is not None and read[1] == Rows(combine.domain, combine.slot):
+            return read[0]
+        return "routing weights are not permuted like the rows", values
+    return "the expert outputs are not added back to their tokens with their slot's weight", combine.output
 
 
 def _match(output, terms, hidden, ids, weights, top_k, no) -> ExpertsMatch | Decline:

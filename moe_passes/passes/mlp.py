@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..fx_utils import TRANSPOSE_OPS, const_int, is_call, is_getitem, shape, strip_shape_ops
+from ..fx_utils import TRANSPOSE_OPS, const_int, is_call, is_getitem, shape, strip_casts, strip_shape_ops
 
 aten = torch.ops.aten
 
@@ -64,6 +64,21 @@ def gated_product(node: Node) -> GatedProduct | None:
             act = strip_shape_ops(act)
             if is_call(act, *acts):
                 return GatedProduct(act, strip_shape_ops(act.args[0]), strip_shape_ops(up))
+    return None
+
+
+def row_scaled(node: Node) -> tuple[Node, Node] | None:
+    """(h, c) for act(gate) * up * c with one c per row ([N, 1], casts allowed): a routing weight applied
+    between the activation and a bias-free down projection, which carries it to its output unchanged
+    (down(h * c) = down(h) * c; Megatron's experts scale there)."""
+    node = strip_casts(node)
+    if not is_call(node, aten.mul.Tensor) or not all(isinstance(a, Node) for a in node.args):
+        return None
+    for h, c in (node.args, node.args[::-1]):
+        rows, scale = shape(h), shape(c)
+        if rows and scale and len(rows) == len(scale) == 2 and const_int(scale[1]) == 1:
+            if gated_product(strip_casts(h)) is not None:
+                return strip_casts(h), c
     return None
 
 

@@ -16,6 +16,13 @@ cancelling, not by the spelling of the gather. Rows of x gathered by a map endin
 each position, the token of the slot the rest of the map names; the combine back to tokens (a view-sum
 over the k slots, an index_add / scatter_add by token, or a scatter by the permutation first) is read
 the same way. Rules are per op: a new spelling of a known step needs a rule here, not a new finder.
+
+Megatron-style layers sort cells of the one-hot table of the ids instead of the ids: the [T, E] table
+transposed to expert-major [E, T] and flattened, a stable descending sort putting its true cells first
+(by expert, then token), cut to the number of true cells. Those positions are the space C; each holds a
+cell index e * T + t (step "cell", C -> grid G), and `% T` is the token of that cell. With ids distinct
+in each token (`topk`'s), true cells and slots are in one-to-one correspondence, and
+`masked_select(table.T, mask.T)` lists a dense [T, E] weight table's values in the same C order.
 """
 
 from __future__ import annotations
@@ -26,26 +33,37 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..fx_utils import arguments, const_int, is_call, is_cast, is_getitem, shape
+from ..fx_utils import (
+    SHAPE_ONLY_OPS,
+    TRANSPOSE_OPS,
+    arguments,
+    const_int,
+    is_call,
+    is_cast,
+    is_getitem,
+    shape,
+)
 
 aten = torch.ops.aten
 
 TOKENS, SLOTS, EXPERTS = "T", "S", "E"
-Space = str | Node  # "T", "S", "E", or the node whose permutation orders the positions
+CELLS, GRID = "C", "G"  # true cells of the expert-major one-hot table of the ids; cell indices e * T + t
+Space = str | Node  # "T", "S", "E", "C", "G", or the node whose permutation orders the positions
 
 
 @dataclass(frozen=True)
 class Step:
-    """One primitive map: "perm" (P(p) -> S), "inv" (S -> P(p)), "token" (S -> T), "expert" (S -> E)."""
+    """One primitive map: "perm" (P(p) -> S), "inv" (S -> P(p)), "token" (S -> T, or G -> T by `% T`),
+    "expert" (S -> E), "cell" (C -> G: the cell each true-cell position holds)."""
 
     kind: str
     perm: Node | None = None
 
     def source(self) -> Space:
-        return self.perm if self.kind == "perm" else SLOTS
+        return {"perm": self.perm, "cell": CELLS}.get(self.kind, SLOTS)
 
     def target(self) -> Space:
-        return {"perm": SLOTS, "inv": self.perm, "token": TOKENS, "expert": EXPERTS}[self.kind]
+        return {"perm": SLOTS, "inv": self.perm, "token": TOKENS, "expert": EXPERTS, "cell": GRID}[self.kind]
 
 
 def compose(*parts: tuple[Step, ...]) -> tuple[Step, ...]:
@@ -89,6 +107,12 @@ class Identity:
     size: object
 
 
+@dataclass(frozen=True)
+class CellOrder:
+    """Every cell index of the expert-major one-hot table, its true cells first in row-major order (a
+    stable descending sort of the flattened table); cut to the true cells, it is the map C -> G."""
+
+
 def same_size(a: object, b: object) -> bool:
     """Sizes proved equal: equal integers, or symbolic sizes the shape environment shows equal."""
     if a is None or b is None:
@@ -126,15 +150,22 @@ class SlotAlgebra:
         if is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step):
             return self._arange(args)
         if is_getitem(node, 1) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
-            sort = node.args[0]  # argsort decomposes to sort(...)[1]: of the ids, or of a permutation
-            return self._sorted(sort, sort) or self._inverse(self.index(sort.args[0]), arguments(sort) or {})
+            sort = node.args[0]  # argsort decomposes to sort(...)[1]: of the ids, of a permutation, of cells
+            sort_args = arguments(sort) or {}
+            return self._sorted(sort, sort) or self._inverse(self.index(sort.args[0]), sort_args) or self._cells(sort_args)
         if is_getitem(node, 0) and is_call(node.args[0], aten.sort.default, aten.sort.stable):
             perm = self._sorted(node.args[0], node.args[0])
             return IndexMap(perm.domain, compose(perm.steps, (Step("expert"),))) if perm else None
         if is_call(node, aten.argsort.default, aten.argsort.stable):
-            return self._sorted(node, node) or self._inverse(self.index(args.get("input")), args)
+            return self._sorted(node, node) or self._inverse(self.index(args.get("input")), args) or self._cells(args)
         if is_call(node, aten.floor_divide.default, aten.div.Tensor_mode):
             return self._token_of(node, args)
+        if is_call(node, aten.slice.Tensor):
+            return self._true_cells(args)
+        if is_call(node, aten.remainder.Scalar):
+            return self._token_of_cell(args)
+        if is_call(node, aten.masked_select.default):
+            return self._selected_tokens(args)
         if is_call(node, aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.index_copy.default):
             return self._inverse_by_scatter(node, args)
         gathered = gather_parts(node)
@@ -196,6 +227,92 @@ class SlotAlgebra:
             return IndexMap(source.domain, compose(source.steps, (Step("token"),)))
         return None
 
+    # -- Megatron's expert-major cells (the module docstring's C and G) --------------------------------
+    def _cells(self, args: dict) -> CellOrder | None:
+        """A stable descending sort of the flattened expert-major one-hot table: its true cells first."""
+        stable = args.get("stable") is True
+        if not (stable and args.get("descending") and args.get("dim", -1) in (0, -1) and self.distinct_ids()):
+            return None
+        flat = args.get("input")
+        if not _flattening(flat) or self._expert_major(flat.args[0], one_hot=True) is None:
+            return None
+        return CellOrder()
+
+    def _true_cells(self, args: dict) -> IndexMap | None:
+        """CellOrder cut to its first n positions, n proved to be the number of true cells."""
+        if not isinstance(self.index(args.get("input")), CellOrder) or args.get("dim") != 0:
+            return None
+        if args.get("start", 0) != 0 or args.get("step", 1) != 1 or not self._true_cell_count(args.get("end")):
+            return None
+        return IndexMap(CELLS, (Step("cell"),))
+
+    def _true_cell_count(self, end: object) -> bool:
+        """T * k (each token has k distinct true cells), or the item of a full sum of the one-hot table."""
+        if same_size(end.meta.get("val") if isinstance(end, Node) else end, self.slot_count()):
+            return True
+        if is_call(end, aten._local_scalar_dense.default):
+            total = uncast(end.args[0])
+            while is_call(total, aten.sum.default, aten.sum.dim_IntList):
+                total = uncast(total.args[0])
+            return one_hot_ids(total) is self.ids
+        return False
+
+    def _token_of_cell(self, args: dict) -> IndexMap | None:
+        """cell % T: the token of an expert-major cell e * T + t."""
+        source = self.index(args.get("input"))
+        if isinstance(source, IndexMap) and source.codomain == GRID:
+            if same_size(args.get("other"), shape(self.ids)[0]):
+                return IndexMap(source.domain, compose(source.steps, (Step("token"),)))
+        return None
+
+    def _selected_tokens(self, args: dict) -> IndexMap | None:
+        """arange(T)[None] (expanded over the experts) masked by the expert-major one-hot table: the token
+        of each true cell, in C order (Megatron's `token_indices.masked_select(routing_map)`)."""
+        source = args.get("input")
+        if is_call(source, aten.expand.default):
+            source = source.args[0]
+        if not (is_call(source, aten.unsqueeze.default) and source.args[1] == 0):
+            return None
+        tokens = self.index(source.args[0])
+        if not (isinstance(tokens, Identity) and same_size(tokens.size, shape(self.ids)[0]) and self.distinct_ids()):
+            return None
+        if self._expert_major(args.get("mask"), one_hot=True) is None:
+            return None
+        return IndexMap(CELLS, (Step("cell"), Step("token")))
+
+    def _expert_major(self, node: object, one_hot: bool) -> Node | None:
+        """The [T, E] table under `node` when `node` is it transposed to [E, T] (contiguous or not): the
+        one-hot table of the ids (`one_hot`), else a dense weight table scattered at the ids."""
+        node = uncast(node)
+        while is_call(node, aten.clone.default, aten.contiguous.default):
+            node = uncast(node.args[0])
+        if not isinstance(node, Node) or not _transposes_2d(node):
+            return None
+        table = uncast(node.args[0])
+        if one_hot:
+            return table if one_hot_ids(table) is self.ids else None
+        return table if self.dense_weights(table) is not None else None
+
+    def dense_weights(self, table: Node) -> Node | None:
+        """w [T, k] when `table` is zeros(T, E).scatter(1, ids, w): each token's weights at its experts."""
+        args = arguments(table) or {}
+        if is_call(table, aten.scatter.src) and args.get("dim") in (1, -1) and _zeros(args.get("input")):
+            source = uncast(args.get("src"))
+            if uncast(args.get("index")) is self.ids and self._is_table(source) and self.distinct_ids():
+                return source
+        return None
+
+    def distinct_ids(self) -> bool:
+        """Each token's k ids differ (they come from a top-k): a one-hot table then has k true cells per
+        token, one per slot, and a scatter of the weights at the ids loses none."""
+        source = uncast(self.ids)
+        return is_getitem(source, 1) and is_call(source.args[0], aten.topk.default)
+
+    def expert_ordered(self, rows: Rows) -> bool:
+        """Rows whose positions run through the experts in ascending order: sorted by one ascending sort
+        of the ids (`_sorted`), or the expert-major true cells."""
+        return len(rows.slot) == 1 and rows.slot[0].kind in ("perm", "cell")
+
     def slot_count(self) -> object:
         """T * k, symbolic when the token count is."""
         return shape(self.ids)[0] * self.top_k if shape(self.ids) else None
@@ -222,7 +339,14 @@ class SlotAlgebra:
         chain = [node]
         while is_cast(chain[-1]) or is_call(chain[-1], aten.unsqueeze.default, aten.view.default, aten.reshape.default):
             chain.append(chain[-1].args[0])
+        if is_call(chain[-1], aten.masked_select.default):
+            return self._selected_cells(chain[-1])
         gathered = gather_parts(chain[-1])
+        if gathered is not None and _flattening(gathered[0]):  # table.T.reshape(-1)[cells]
+            table = self._expert_major(gathered[0].args[0], one_hot=False)
+            by = self.index(gathered[1])
+            if table is not None and isinstance(by, IndexMap) and by.codomain == GRID:
+                return self.dense_weights(table), Rows(by.domain, by.steps)
         if gathered is None:  # the table itself; a cast of it nearest the use is what the model multiplies
             return next(((n, Rows(SLOTS, ())) for n in chain if self._is_table(n)), None)
         source = self.slot_values(gathered[0]) if gathered is not None else None
@@ -231,6 +355,14 @@ class SlotAlgebra:
             if isinstance(by, IndexMap) and by.codomain == SLOTS:
                 return source[0], Rows(by.domain, by.steps)
         return None
+
+    def _selected_cells(self, node: Node) -> tuple[Node, Rows] | None:
+        """masked_select(table.T, mask.T): the dense weight table's values at the true cells, in C order."""
+        args = arguments(node) or {}
+        table = self._expert_major(args.get("input"), one_hot=False)
+        if table is None or self._expert_major(args.get("mask"), one_hot=True) is None:
+            return None
+        return self.dense_weights(table), Rows(CELLS, (Step("cell"),))
 
     def input_scaling(self, node: Node, depth: int = 12) -> Node | None:
         """A product of x's routed rows and their routing weights above `node`: weights applied to the
@@ -276,13 +408,68 @@ class SlotAlgebra:
 
     def _one_hot_width(self, table: Node) -> int | None:
         """E for a [T, E] table with one 1 per chosen expert: scatter of ones at the ids into zeros."""
-        args = arguments(table) or {}
-        if is_call(table, aten.scatter.value, aten.scatter_.value) and args.get("dim") in (1, -1):
-            chosen = uncast(args.get("index"))
-            width = shape(table)
-            if chosen is self.ids and args.get("value") == 1 and _zeros(args.get("input")) and width:
-                return const_int(width[-1])
-        return None
+        width = shape(table)
+        return const_int(width[-1]) if width and one_hot_ids(table) is self.ids else None
+
+
+def one_hot_ids(table: object) -> Node | None:
+    """ids when `table` is zeros(T, E).scatter(1, ids, 1): a 1 at each chosen expert (casts allowed)."""
+    table = uncast(table)
+    args = (arguments(table) or {}) if isinstance(table, Node) else {}
+    if is_call(table, aten.scatter.value, aten.scatter_.value) and args.get("dim") in (1, -1):
+        if args.get("value") == 1 and _zeros(args.get("input")) and len(shape(table) or ()) == 2:
+            return uncast(args.get("index"))
+    return None
+
+
+def sorted_ids(out: Node, depth: int = 40) -> Node | None:
+    """The [T, k] ids whose order a sort above `out` puts the rows in: the ids' flat view sorted, or
+    their one-hot table sorted or masked out (Megatron's expert-major cells)."""
+    seen, frontier = set(), [out]
+    for _ in range(depth):
+        next_frontier = []
+        for node in frontier:
+            for source in node.all_input_nodes:
+                if source in seen:
+                    continue
+                seen.add(source)
+                if is_call(source, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable):
+                    table = _one_hot_viewed(source.args[0]) or _table_viewed(source.args[0])
+                    if table is not None:
+                        return table
+                if is_call(source, aten.masked_select.default) and _one_hot_viewed(source.args[1]) is not None:
+                    return _one_hot_viewed(source.args[1])
+                next_frontier.append(source)
+        frontier = next_frontier
+    return None
+
+
+def _table_viewed(flat: Node) -> Node | None:
+    """The 2-D tensor a flat view reads (casts allowed): where its view chain starts, else the first 2-D
+    step on the way (a router that reshapes [B, S, k] to [T, k] last)."""
+    chain = [flat]
+    while is_call(chain[-1], *SHAPE_ONLY_OPS) or is_cast(chain[-1]):
+        chain.append(chain[-1].args[0])
+    return next((n for n in (chain[-1], *chain) if len(shape(n) or ()) == 2), None)
+
+
+def _one_hot_viewed(flat: Node) -> Node | None:
+    """The ids whose one-hot table a flat view reads (through casts, copies and a transpose)."""
+    node = flat
+    while is_call(node, *SHAPE_ONLY_OPS, *TRANSPOSE_OPS, aten.clone.default) or is_cast(node):
+        node = node.args[0]
+    return one_hot_ids(node)
+
+
+def _transposes_2d(node: Node) -> bool:
+    """A swap of the two dims of a 2-D tensor: t, transpose(0, 1), permute([1, 0])."""
+    if len(shape(node) or ()) != 2:
+        return False
+    if is_call(node, aten.t.default):
+        return True
+    if is_call(node, aten.transpose.int):
+        return {node.args[1] % 2, node.args[2] % 2} == {0, 1}
+    return is_call(node, aten.permute.default) and [d % 2 for d in node.args[1]] == [1, 0]
 
 
 def _identity_bins(bins: object, low: object, high: object) -> int | None:
