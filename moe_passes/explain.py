@@ -374,12 +374,15 @@ DATA_DEPENDENT_MARKERS = (
     "graph break in loop",
 )
 DATA_DEPENDENT_ADVICE = (
-    "an expert loop over data-dependent shapes (nonzero / torch.where / .tolist(), e.g. transformers "
-    "experts_implementation='eager' or 4.x loops) breaks the graph, so no MoE layer can be fused: load the "
-    "model with experts_implementation='grouped_mm' (or call model.set_experts_implementation('grouped_mm')), "
-    "which compiles in one graph and is fused. Under hpu_moe (adapters on) a loop over range(num_experts) "
-    "with torch.where and a loop over the experts that were hit (transformers 4.x) are captured in one graph "
-    "by the expert-loop adapter; loops it left as written are listed with the construct that stopped it"
+    "a data-dependent shape or number in the MoE layer (nonzero / torch.where / .item() / .tolist() / "
+    "masked_select) breaks the graph, so no MoE layer in that code can be fused. Under hpu_moe (adapters on), "
+    "a loop over range(num_experts) with torch.where, a loop over the experts that were hit (transformers "
+    "4.x) and methods that read per-expert counts as numbers are captured in one graph by the expert-loop "
+    "adapter; loops it left as written are listed with the construct that stopped it. Elsewhere, "
+    "torch._dynamo.config.capture_scalar_outputs = True and capture_dynamic_output_shape_ops = True let "
+    "dynamo keep such values symbolic in one graph. Transformers models: load with "
+    "experts_implementation='grouped_mm' (or call model.set_experts_implementation('grouped_mm')), which "
+    "compiles in one graph and is fused"
 )
 NAME_GUARD_ADVICE = (
     "each layer recompiles because a guard checks the layer's name string (vLLM-style layers that find "

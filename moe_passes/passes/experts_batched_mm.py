@@ -28,8 +28,8 @@ from ..fx_utils import (
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .finder import Finder, each_anchor
-from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import stacked_gate
+from .gemm_tail import StackedLinear, expert_weights, read_gated_tail, stack_count
+from .matches import Decline, ExpertsMatch
 from .sentinels import through_id_clamp
 from .slots import SLOTS, SlotAlgebra
 
@@ -49,24 +49,27 @@ def _gathered(node: Node) -> tuple[Node, Node] | None:
     return None
 
 
-def _batched_linear(node: Node) -> tuple[Node, Node, Node, bool] | None:
-    """(input rows, stacked W, flat ids, out_in) for bmm(W[ids], x[..., None]) or bmm(x[:, None], W[ids])."""
+def _batched_linear(output: Node) -> StackedLinear | None:
+    """bmm(W[ids], x[..., None]) or bmm(x[:, None], W[ids]) (+ bias[ids]) as a stacked projection."""
+    node, bias, bias_ids = _with_bias(strip_casts(output))
     node = strip_shape_ops(node)
     if not is_call(node, aten.bmm.default):
         return None
     left, right = node.args
     gathered = _gathered(right)
     if gathered is not None and is_call(left, aten.unsqueeze.default) and left.args[1] in (1, -2):
-        return left.args[0], gathered[0], gathered[1], False
-    gathered = _gathered(left)
-    if gathered is not None and is_call(right, aten.unsqueeze.default) and right.args[1] in (-1, 2):
-        return right.args[0], gathered[0], gathered[1], True
-    return None
+        rows, out_in = left.args[0], False
+    else:
+        gathered = _gathered(left)
+        if gathered is None or not (is_call(right, aten.unsqueeze.default) and right.args[1] in (-1, 2)):
+            return None
+        rows, out_in = right.args[0], True
+    return StackedLinear(node, rows, gathered[0], out_in, gathered[1], bias, bias_ids)
 
 
-def _read_tail(out: Node) -> tuple:
-    """(k, the batched down projection, the slot weights, its bias and bias ids) of
-    `(bmm(W_down[ids], h) [+ b] * w).view(T, k, H).sum(1)`, else (why not, where)."""
+def _read_down(out: Node) -> tuple:
+    """(k, the batched down projection, the slot weights) of `(bmm(W_down[ids], h) [+ b] * w).view(T, k,
+    H).sum(1)`, else (why not, where)."""
     view = out.args[0]
     if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
         return "the k-slot reduction is not a sum over dim 1 of a [T, k, H] view", None
@@ -75,12 +78,9 @@ def _read_tail(out: Node) -> tuple:
     if not is_call(weighted, aten.mul.Tensor):
         return "routing weights do not scale the expert outputs", weighted
     for a, b in ((weighted.args[0], weighted.args[1]), (weighted.args[1], weighted.args[0])):
-        if not (isinstance(a, Node) and isinstance(b, Node)):
-            continue
-        unbiased, down_bias, down_bias_ids = _with_bias(strip_casts(a))
-        down = _batched_linear(unbiased)
+        down = _batched_linear(a) if isinstance(a, Node) and isinstance(b, Node) else None
         if down is not None:
-            return top_k, down, b, down_bias, down_bias_ids
+            return top_k, down, b
     return "routing weights do not multiply the output of a batched down projection", weighted
 
 
@@ -88,41 +88,30 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, out, at)
 
-    tail = _read_tail(out)
-    if isinstance(tail[0], str):
+    read = _read_down(out)
+    if isinstance(read[0], str):
+        return no(*read)
+    top_k, down, slot_weights = read
+    tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-slot gathered weights")
+    if isinstance(tail, tuple):
         return no(*tail)
-    top_k, down, slot_weights, down_bias, down_bias_ids = tail
-    down_in, down_w, down_ids, down_out_in = down
-    gate = stacked_gate(down_in)
-    if isinstance(gate, str):
-        return no(gate, down_in)
-    swiglu, activation = gate.swiglu, gate.activation
-    gate_up_out, up_bias, up_bias_ids = _with_bias(gate.gate_up_output)
-    if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
-        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_out)
-    up = _batched_linear(gate_up_out)
-    if up is None:
-        return no("gate/up is not a batched matmul of per-slot gathered weights", gate_up_out)
-    rows, gate_up_w, up_ids, up_out_in = up
-    if swiglu is not None and not (
-        strip_shape_ops(up_bias_ids) is strip_shape_ops(up_ids) is strip_shape_ops(down_bias_ids)
-    ):
-        return no("expert biases are gathered with other ids than the weights", up_bias_ids)
-    if strip_shape_ops(up_ids) is not strip_shape_ops(down_ids):
-        return no("the two projections gather weights with different ids", up_ids)
-    num_experts = const_int(shape(gate_up_w)[0])
-    unclamped_ids, ids_clamped = through_id_clamp(down_ids, num_experts)
+    same_ids = {strip_shape_ops(n) for n in (tail.up.bias_ids, down.chosen_by, down.bias_ids)}
+    if tail.gate.swiglu is not None and len(same_ids) != 1:
+        return no("expert biases are gathered with other ids than the weights", tail.up.bias_ids)
+    stacks = expert_weights(tail, None)
+    if isinstance(stacks, str):
+        return no(stacks, down.stack)
+    num_experts = stack_count(tail)
+    unclamped_ids, ids_clamped = through_id_clamp(down.chosen_by, num_experts)
     ids = slot_table(unclamped_ids, top_k)
     weights = slot_table(slot_weights, top_k, through_casts=True)
     if ids is None:
-        return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
-    rows_read = SlotAlgebra(ids, top_k).hidden_rows(rows)
+        return no("routing ids and weights are not [T, k] tensors of the same shape", down.chosen_by)
+    rows_read = SlotAlgebra(ids, top_k).hidden_rows(tail.rows)
     if rows_read is None or (rows_read.domain, rows_read.slot) != (SLOTS, ()):
-        return no("the batched rows are not the tokens repeated k times (repeat_interleave)", rows)
-    if const_int(shape(down_w)[0]) != num_experts:
-        return no("gate/up and down stacks hold different numbers of experts", down_w)
+        return no("the batched rows are not the tokens repeated k times (repeat_interleave)", tail.rows)
     if weights is None or shape(weights) != shape(ids):
-        return no("routing ids and weights are not [T, k] tensors of the same shape", down_ids)
+        return no("routing ids and weights are not [T, k] tensors of the same shape", down.chosen_by)
     return ExpertsMatch(
         form=FORM,
         output=through_trailing_cast(out),
@@ -131,10 +120,9 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         weights=weights,
         num_experts=num_experts,
         top_k=top_k,
-        activation=activation,
-        gate_up=ExpertWeights(stacked=gate_up_w, out_in=up_out_in),
-        down=ExpertWeights(stacked=down_w, out_in=down_out_in),
-        **bias_fields(swiglu, up_bias, down_bias),
+        activation=tail.gate.activation,
+        **stacks,
+        **bias_fields(tail.gate.swiglu, tail.up.bias, down.bias),
         assumes_ids_in_range=ids_clamped,
     )
 

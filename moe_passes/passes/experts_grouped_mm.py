@@ -28,8 +28,9 @@ from ..fx_utils import (
 from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .finder import Finder, each_anchor
-from .matches import Decline, ExpertsMatch, ExpertWeights
-from .mlp import stacked_gate, stacked_weight
+from .gemm_tail import GatedTail, StackedLinear, expert_weights, read_gated_tail
+from .matches import Decline, ExpertsMatch
+from .mlp import stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
 from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, Step, compose, sorted_ids, uncast
 
@@ -96,30 +97,27 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
             bounds.append(bound)
         return source
 
-    tail = _weighted_down(combine, algebra, unmask)
-    if isinstance(tail[0], str):
+    weighted = _weighted_down(combine, algebra, unmask)
+    if isinstance(weighted[0], str):
+        return no(*weighted)
+    down, table = weighted
+    num_experts = _expert_count(down.chosen_by, algebra)
+    tail = read_gated_tail(down, lambda output: _grouped_linear(output, unmask), "a grouped matmul", separate=True)
+    if isinstance(tail, tuple):
         return no(*tail)
-    down_mm, down_bias, down_bias_ids, table = tail
-    down_in, down_w, offs = _grouped_args(down_mm)
-    num_experts = _expert_count(offs, algebra)
-    gate = stacked_gate(down_in, separate=True)
-    if isinstance(gate, str):
-        return no(gate, down_in)
-    up = _gate_up_projections(gate, unmask, offs)
-    if isinstance(up[0], str):
-        return no(*up)
-    rows, roles, up_bias, up_bias_ids = up
-    biases = _read_biases(gate.swiglu, (up_bias, up_bias_ids), (down_bias, down_bias_ids), num_experts, algebra, order)
+    biases = _read_biases(tail, num_experts, algebra, order)
     if isinstance(biases, tuple):
-        return no(biases[0], biases[1] if biases[1] is not None else gate.gate_up_output)
+        return no(*biases)
     if num_experts is None:
-        return no("group offsets are not the per-expert counts of the sorted ids", offs)
-    hidden = algebra.hidden_rows(unmask(rows))
+        return no("group offsets are not the per-expert counts of the sorted ids", down.chosen_by)
+    hidden = algebra.hidden_rows(unmask(tail.rows))
     if hidden is None or (hidden.domain, hidden.slot) != (combine.domain, order):
-        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", rows)
-    stacks = _stacks(roles, down_w, num_experts, bounds)
-    if isinstance(stacks, tuple):
-        return no(stacks[0], {"weights": down_w, "offsets": offs}.get(stacks[1], stacks[1]))
+        return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", tail.rows)
+    stacks = expert_weights(tail, num_experts)
+    if isinstance(stacks, str):
+        return no(stacks, down.chosen_by)
+    if any(bound != num_experts for bound in bounds):
+        return no("rows are masked against another expert count than the experts held", down.chosen_by)
     return ExpertsMatch(
         form=FORM,
         output=through_trailing_cast(combine.output),
@@ -128,11 +126,24 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         weights=table,
         num_experts=num_experts,
         top_k=algebra.top_k,
-        activation=gate.activation,
+        activation=tail.gate.activation,
         **stacks,
-        **bias_fields(gate.swiglu, up_bias, down_bias),
+        **bias_fields(tail.gate.swiglu, tail.up.bias, down.bias),
         assumes_ids_in_range=bool(bounds) or biases,
     )
+
+
+def _grouped_linear(output: Node, unmask, rows_as_read: bool = False) -> StackedLinear | None:
+    """The grouped matmul (+ bias[ids]) `output` is, sentinel masks looked through; its rows likewise
+    unless `rows_as_read` (the down projection's input is the gate, read as it stands)."""
+    mm, bias, bias_ids = _with_bias(unmask(output))
+    args = _grouped_args(mm) if is_grouped_mm(mm) else None
+    if args is None:
+        return None
+    rows, weight, offs = args
+    stack, out_in = stacked_weight(weight)
+    rows = rows if rows_as_read else strip_casts(unmask(rows))
+    return StackedLinear(mm, rows, stack, out_in, offs, bias, bias_ids)
 
 
 def _sorted_combine(out: Node) -> tuple[Node, SlotAlgebra, Combine] | str | None:
@@ -158,50 +169,26 @@ def _perm_index(perm: Node) -> Node:
 
 
 def _weighted_down(combine: Combine, algebra: SlotAlgebra, unmask) -> tuple:
-    """(down grouped_mm, its bias, its bias ids, the [T, k] weights) when the rows the combine sums are
-    the down projection scaled by each slot's routing weight, else (why not, where)."""
+    """(the down projection, the [T, k] weights) when the rows the combine sums are the down projection
+    scaled by each slot's routing weight, else (why not, where)."""
     values = uncast(combine.values)
     if combine.weights is not None:
-        down_out = unmask(values)
-        down_mm, down_bias, down_bias_ids = _with_bias(down_out)
-        if not is_grouped_mm(down_mm):
+        down = _grouped_linear(values, unmask, rows_as_read=True)
+        if down is None:
             return "routing weights do not multiply the output of the down projection", values
-        return down_mm, down_bias, down_bias_ids, combine.weights
+        return down, combine.weights
     if not is_call(values, aten.mul.Tensor):
         scaled = algebra.input_scaling(values)
         if scaled is not None:
             return INPUT_SCALED, scaled
         return "routing weights do not scale the expert outputs", values
-    down_out, slot_weights = _split_product(values, unmask)
-    down_mm, down_bias, down_bias_ids = _with_bias(down_out) if down_out is not None else (None, None, None)
-    if down_mm is None or not is_grouped_mm(down_mm):
+    down, slot_weights = _split_product(values, unmask)
+    if down is None:
         return "routing weights do not multiply the output of the down projection", values
     read = algebra.slot_values(slot_weights)
     if read is None or read[1] != Rows(combine.domain, combine.slot):
         return "routing weights are not permuted like the tokens", slot_weights
-    return down_mm, down_bias, down_bias_ids, read[0]
-
-
-def _gate_up_projections(gate, unmask, offs: Node) -> tuple:
-    """(rows, {"gate_up": W} or {"gate": W1, "up": W3}, up bias, its ids) of the grouped projections that
-    feed act(gate) * up, all with the down projection's offsets; else (why not, where)."""
-    outputs = [gate.gate_up_output] if gate.gate_up_output is not None else [gate.gate_output, gate.up_output]
-    projections = []
-    for output in outputs:
-        mm, bias, bias_ids = _with_bias(unmask(output))
-        if not is_grouped_mm(mm):
-            return "gate/up is not produced by a grouped matmul", mm
-        rows, weight, offsets = _grouped_args(mm)
-        if offsets is not offs:
-            return "the two grouped matmuls use different group offsets", mm
-        projections.append((strip_casts(unmask(rows)), weight, bias, bias_ids))
-    if len({p[0] for p in projections}) != 1:
-        return "gate and up read different rows", outputs[1]
-    if len(projections) == 2 and any(p[2] is not None for p in projections):
-        return "expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", outputs[0]
-    names = ("gate_up",) if len(projections) == 1 else ("gate", "up")
-    roles = {name: p[1] for name, p in zip(names, projections, strict=True)}
-    return projections[0][0], roles, projections[0][2], projections[0][3]
+    return down, read[0]
 
 
 def _expert_count(offs: Node, algebra: SlotAlgebra) -> int | None:
@@ -211,44 +198,25 @@ def _expert_count(offs: Node, algebra: SlotAlgebra) -> int | None:
     return algebra.expert_counts(offs.args[0])
 
 
-def _stacks(roles: dict, down_w: Node, num_experts: int, bounds: list[int]) -> dict | tuple:
-    """{role: ExpertWeights} for [E, ., .] stacks of the counts' E experts, else (why not, "weights" or
-    "offsets": which to point at)."""
-    found = {}
-    for name, weight in {**roles, "down": down_w}.items():
-        stacked, out_in = stacked_weight(weight)
-        if len(shape(stacked) or ()) != 3:
-            return "expert weights are not stacked [E, ., .] tensors", "weights"
-        if const_int(shape(stacked)[0]) != num_experts:
-            return "the number of stacked experts differs from the histogram bins", "offsets"
-        found[name] = ExpertWeights(stacked=stacked, out_in=out_in)
-    if any(bound != num_experts for bound in bounds):
-        return "rows are masked against another expert count than the experts held", "offsets"
-    return found
-
-
-def _read_biases(swiglu, up: tuple, down: tuple, num_experts, algebra: SlotAlgebra, order) -> bool | tuple:
+def _read_biases(tail: GatedTail, num_experts, algebra: SlotAlgebra, order) -> bool | tuple:
     """Whether the expert biases (GPT-OSS's clamped swiglu only) are gathered with sorted ids clamped to
     0..E-1 (transformers 5.17); (why not, where) when they are not read as the kernel reads them."""
-    (up_bias, up_bias_ids), (down_bias, down_bias_ids) = up, down
-    if (up_bias is None) != (swiglu is None) or (down_bias is None) != (swiglu is None):
-        return "expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", None
-    if swiglu is None:
+    if tail.gate.swiglu is None:
         return False
-    up_bias_ids, up_clamped = through_id_clamp(up_bias_ids, num_experts)
-    down_bias_ids, down_clamped = through_id_clamp(down_bias_ids, num_experts)
+    up_bias_ids, up_clamped = through_id_clamp(tail.up.bias_ids, num_experts)
+    down_bias_ids, down_clamped = through_id_clamp(tail.down.bias_ids, num_experts)
     sorted_ids = IndexMap(order[0].perm, compose(order, (Step("expert"),)))
     if not (algebra.index(up_bias_ids) == sorted_ids == algebra.index(down_bias_ids)):
         return "expert biases are not gathered with the sorted expert ids", up_bias_ids
     return up_clamped or down_clamped
 
 
-def _split_product(mul: Node, unmask) -> tuple[Node | None, Node | None]:
-    """(down projection output, routing weights) of mul(grouped_mm [+ bias], w)."""
+def _split_product(mul: Node, unmask) -> tuple[StackedLinear | None, Node | None]:
+    """(down projection, routing weights) of mul(grouped_mm [+ bias], w)."""
     for a, b in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
-        a_src = unmask(strip_casts(a)) if isinstance(a, Node) else None
-        if a_src is not None and is_grouped_mm(_with_bias(a_src)[0]) and isinstance(b, Node):
-            return a_src, b
+        down = _grouped_linear(strip_casts(a), unmask, rows_as_read=True) if isinstance(a, Node) else None
+        if down is not None and isinstance(b, Node):
+            return down, b
     return None, None
 
 
