@@ -144,6 +144,8 @@ class SplitModuleListMoE(torch.nn.Module):
     per-expert MLPs (a ModuleList) on `split(sorted rows, counts.tolist())`, `cat`, the rows put back in
     slot order with `out[perm] = y`, weighted and summed over the k slots."""
 
+    in_place = False
+
     def __init__(self, cfg: dict):
         super().__init__()
         from patterns._common import GatedMLP, Router
@@ -165,15 +167,23 @@ class SplitModuleListMoE(torch.nn.Module):
         outs = torch.cat([expert(piece) for expert, piece in zip(self.experts, pieces, strict=True)])
         unpermuted = torch.empty_like(outs)
         unpermuted[perm] = outs
+        if self.in_place:  # transformers 4.x DeepSeek-V2: the weights multiplied in place on the view
+            weighted = unpermuted.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1))
+            return weighted.sum(dim=1).type(unpermuted.dtype).view(x.shape)
         return (unpermuted.view(*ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).view(x.shape)
 
 
+class InPlaceWeightedMoE(SplitModuleListMoE):
+    in_place = True
+
+
+@pytest.mark.parametrize("moe_class", [SplitModuleListMoE, InPlaceWeightedMoE], ids=["product", "in_place"])
 @pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6), dict(top_k=1)], ids=["default", "decode", "top1"])
-def test_whole_expert_mlps_on_split_segments_put_back_by_the_permutation_are_fused(overrides):
+def test_whole_expert_mlps_on_split_segments_put_back_by_the_permutation_are_fused(moe_class, overrides):
     from patterns._common import TinyDecoder, finish, settings
 
     cfg = settings({"layers": 1, **overrides})
-    model, inputs = finish(TinyDecoder(SplitModuleListMoE, cfg), cfg)
+    model, inputs = finish(TinyDecoder(moe_class, cfg), cfg)
     _assert_one_segments_layer_fused(model, inputs)
 
 

@@ -581,6 +581,14 @@ def _zeros(node: object) -> bool:
     return False
 
 
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _same_shape(a: object, b: object) -> bool:
+    """Shapes proved equal dim by dim (never guarding on a data-dependent size)."""
+    return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
+
+
 def _flat_view_source(node: Node, top_k: int) -> Node | None:
     """v when node is v viewed as [T, k, H] (a row-major view of [T * k, H] rows)."""
     dims = shape(node)
@@ -611,6 +619,10 @@ class SlotCombines:
     def _slot_sum(self, out: Node, viewed: Node) -> Combine | None:
         """v.view(T, k, H).sum(1), or (v.view(T, k, H) * w[..., None]).sum(1), v in slot order."""
         weights = None
+        chain = [viewed]  # an in-place mul_ on the [T, k, H] view comes back re-viewed: reshapes that
+        while is_call(chain[-1], *_RESHAPES):  # return to the same shape keep every position in place
+            chain.append(chain[-1].args[0])
+        viewed = next(n for n in reversed(chain) if _same_shape(shape(n), shape(viewed)))
         if is_call(viewed, aten.mul.Tensor):
             for rows, table in (viewed.args, viewed.args[::-1]):
                 source = self._weight_table(table)
