@@ -120,9 +120,15 @@ def _write_over_offsets_read_once(rows, offsets):
     return write(out, cut(rows, start, end) * 2, start, end)
 
 
+def _cut_at_read_total(rows, counts):
+    return rows[: int(counts.sum().item())] * 2  # Megatron's `[:num_out_tokens]` of its sorted cells
+
+
 # Catalog forms that slice rows at offsets read from the data, and the slice that dynamo must capture
 # in the adapted code.
 _DATA_DEPENDENT_SLICES = {
+    # Megatron's permute cuts the sorted cells at the token total read with .item().
+    "megatron_sequential_mlp": _cut_at_read_total,
     # Aria's module-level function: bounds read once as numbers, rows cut and written over the same rows.
     "aria4_offset_segments": _write_over_offsets_read_once,
     # The adapted count loop cuts at offsets read with .item().
