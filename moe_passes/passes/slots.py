@@ -234,7 +234,7 @@ class SlotAlgebra:
         if not (stable and args.get("descending") and args.get("dim", -1) in (0, -1) and self.distinct_ids()):
             return None
         flat = args.get("input")
-        if not _flattening(flat) or self._expert_major(flat.args[0], one_hot=True) is None:
+        if not _flattening(flat) or not self._expert_major_mask(flat.args[0]):
             return None
         return CellOrder()
 
@@ -276,22 +276,14 @@ class SlotAlgebra:
         tokens = self.index(source.args[0])
         if not (isinstance(tokens, Identity) and same_size(tokens.size, shape(self.ids)[0]) and self.distinct_ids()):
             return None
-        if self._expert_major(args.get("mask"), one_hot=True) is None:
+        if not self._expert_major_mask(args.get("mask")):
             return None
         return IndexMap(CELLS, (Step("cell"), Step("token")))
 
-    def _expert_major(self, node: object, one_hot: bool) -> Node | None:
-        """The [T, E] table under `node` when `node` is it transposed to [E, T] (contiguous or not): the
-        one-hot table of the ids (`one_hot`), else a dense weight table scattered at the ids."""
-        node = uncast(node)
-        while is_call(node, aten.clone.default, aten.contiguous.default):
-            node = uncast(node.args[0])
-        if not isinstance(node, Node) or not _transposes_2d(node):
-            return None
-        table = uncast(node.args[0])
-        if one_hot:
-            return table if one_hot_ids(table) is self.ids else None
-        return table if self.dense_weights(table) is not None else None
+    def _expert_major_mask(self, node: object) -> bool:
+        """`node` is the one-hot table of the ids transposed to expert-major [E, T]."""
+        table = _transposed_table(node)
+        return table is not None and one_hot_ids(table) is self.ids
 
     def dense_weights(self, table: Node) -> Node | None:
         """w [T, k] when `table` is zeros(T, E).scatter(1, ids, w): each token's weights at its experts."""
@@ -343,10 +335,11 @@ class SlotAlgebra:
             return self._selected_cells(chain[-1])
         gathered = gather_parts(chain[-1])
         if gathered is not None and _flattening(gathered[0]):  # table.T.reshape(-1)[cells]
-            table = self._expert_major(gathered[0].args[0], one_hot=False)
+            table = _transposed_table(gathered[0].args[0])
+            weights = self.dense_weights(table) if table is not None else None
             by = self.index(gathered[1])
-            if table is not None and isinstance(by, IndexMap) and by.codomain == GRID:
-                return self.dense_weights(table), Rows(by.domain, by.steps)
+            if weights is not None and isinstance(by, IndexMap) and by.codomain == GRID:
+                return weights, Rows(by.domain, by.steps)
         if gathered is None:  # the table itself; a cast of it nearest the use is what the model multiplies
             return next(((n, Rows(SLOTS, ())) for n in chain if self._is_table(n)), None)
         source = self.slot_values(gathered[0]) if gathered is not None else None
@@ -359,10 +352,11 @@ class SlotAlgebra:
     def _selected_cells(self, node: Node) -> tuple[Node, Rows] | None:
         """masked_select(table.T, mask.T): the dense weight table's values at the true cells, in C order."""
         args = arguments(node) or {}
-        table = self._expert_major(args.get("input"), one_hot=False)
-        if table is None or self._expert_major(args.get("mask"), one_hot=True) is None:
+        table = _transposed_table(args.get("input"))
+        weights = self.dense_weights(table) if table is not None else None
+        if weights is None or not self._expert_major_mask(args.get("mask")):
             return None
-        return self.dense_weights(table), Rows(CELLS, (Step("cell"),))
+        return weights, Rows(CELLS, (Step("cell"),))
 
     def input_scaling(self, node: Node, depth: int = 12) -> Node | None:
         """A product of x's routed rows and their routing weights above `node`: weights applied to the
@@ -459,6 +453,14 @@ def _one_hot_viewed(flat: Node) -> Node | None:
     while is_call(node, *SHAPE_ONLY_OPS, *TRANSPOSE_OPS, aten.clone.default) or is_cast(node):
         node = node.args[0]
     return one_hot_ids(node)
+
+
+def _transposed_table(node: object) -> Node | None:
+    """The [T, E] table under `node` when `node` is it transposed to [E, T] (contiguous or not)."""
+    node = uncast(node)
+    while is_call(node, aten.clone.default, aten.contiguous.default):
+        node = uncast(node.args[0])
+    return uncast(node.args[0]) if isinstance(node, Node) and _transposes_2d(node) else None
 
 
 def _transposes_2d(node: Node) -> bool:
