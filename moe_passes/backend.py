@@ -22,7 +22,7 @@ from .adapters import install_discovery_hook
 from .adapters.base import BACKEND_MARK
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
 from .fx_utils import source_line
-from .ir import carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
+from .ir import UntraceableConstruct, carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
 from .options import Options
 from .passes import already_fused
 from .passes.matches import RoutingInfo
@@ -30,6 +30,7 @@ from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import format_graph, node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord, next_graph_index, publish
 from .steps import Steps, count, keep_graph_texts, trace_artifact
+from .subclass_inputs import SubclassOutput
 from .verify import compare_rewrite
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: in
         routing=routing_text(accepted.routing),
         graph=graph_index,
         experts_min=match.experts_min,
-        router_experts=accepted.routing.num_experts,
+        router_experts=match.router_experts or accepted.routing.num_experts,
     )
 
 
@@ -197,6 +198,9 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
                 "the graph reads tensor values as Python numbers (`.item()` / `.tolist()`, here "
                 f"{error.func}) that the canonical trace cannot follow; graph left unrewritten"
             )
+        except (UntraceableConstruct, SubclassOutput) as error:  # the user's construct, named
+            record.fallback = f"graph left unrewritten: {error}"
+            warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)
         except Exception as error:  # noqa: BLE001 - never break the user's compile
             record.fallback = f"internal error, graph left unrewritten: {type(error).__name__}: {error}"
             warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)

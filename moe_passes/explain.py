@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import linecache
 import logging
 import os
 import re
@@ -384,6 +385,14 @@ DATA_DEPENDENT_ADVICE = (
     "experts_implementation='grouped_mm' (or call model.set_experts_implementation('grouped_mm')), which "
     "compiles in one graph and is fused"
 )
+TOKEN_EXCHANGE_ADVICE = (
+    "expert parallelism that exchanges tokens between ranks (all-to-all) reads the exchange's split sizes "
+    "back as numbers in every MoE layer (at {where}), which breaks the graph there by design; each rank's "
+    "experts then run on a data-dependent number of received rows and are not fused. At inference, where "
+    "every rank of the expert group holds the same batch, an all-reduce expert parallelism keeps each layer "
+    "in one graph, and hpu_moe fuses each rank's experts with the rank's expert range "
+    "(experts_min/experts_max): transformers: DistributedConfig(ep_size=tp_size, ep_implementation='all_reduce')"
+)
 NAME_GUARD_ADVICE = (
     "each layer recompiles because a guard checks the layer's name string (vLLM-style layers that find "
     "themselves again by name through a forward context): compile with backend='hpu_moe' and adapters on "
@@ -404,8 +413,21 @@ def advice_for_breaks(break_reasons: list[str], break_locations: list[str] = ())
         from .adapters.hit_expert_loops import declined_at
 
         left = declined_at(break_locations)
-        return [DATA_DEPENDENT_ADVICE] + [f"expert loop left as written: {why}" for why in left]
+        exchanges = [where for where in break_locations if _exchanges_tokens(where)]
+        advice = [TOKEN_EXCHANGE_ADVICE.format(where=exchanges[0])] if exchanges else []
+        return advice + [DATA_DEPENDENT_ADVICE] + [f"expert loop left as written: {why}" for why in left]
     return []
+
+
+def _exchanges_tokens(location: str, around: int = 12) -> bool:
+    """Whether the code around a break location ("path:line") exchanges tokens with an all-to-all
+    collective (`all_to_all`, `all_to_all_single`): the split sizes it needs are read as numbers."""
+    path, _, line = location.rpartition(":")
+    if not line.isdigit():
+        return False
+    number = int(line)
+    nearby = [linecache.getline(path, n) for n in range(max(1, number - around), number + around + 1)]
+    return any("all_to_all" in text for text in nearby)
 
 
 # `___check_obj_id(self, 1398...), type=FusedMoE(...)  # layer_id = id(layer)  # path.py:398 in forward_torch`

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .fx_utils import source_line
+from .subclass_inputs import SubclassInputs
 
 
 def fake_inputs(example_inputs, fake_mode):
@@ -44,24 +49,30 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     if fake_mode is None:
         fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
     args = fake_inputs(example_inputs, fake_mode)
+    # Tensor-subclass inputs (DTensor parameters under tensor or expert parallelism) are traced as their
+    # inner tensors, the way AOTAutograd desugars them: the canonical graph computes on local shards.
+    layout = SubclassInputs.of(args)
 
     def run(*flat):
         # Running node by node under preserve_node_meta carries dynamo's nn_module_stack and stack
         # traces onto the ATen nodes, which is how reports name the layer each rewrite came from.
-        return _CanonicalInterpreter(gm).run(*flat)
+        outputs = _CanonicalInterpreter(gm).run(*layout.rebuild(flat))
+        layout.check_outputs(outputs)
+        return outputs
 
-    in_python = uses_functorch_transforms(gm) or mutates_through_custom_ops(gm)
+    in_python = layout.any or makes_subclasses(gm) or uses_functorch_transforms(gm) or mutates_through_custom_ops(gm)
     functionalize = _python_functionalize if in_python else _functorch_functionalize
     depth = _functorch_depth()
     try:
         with fake_mode, fx_traceback.preserve_node_meta():
-            traced = make_fx(functionalize(run))(*args)
+            traced = make_fx(functionalize(run))(*layout.flatten(args))
     except BaseException:
         # A trace that fails inside a functorch transform can leave its interpreter levels pushed, and
         # dynamo then rejects the frame it is compiling ("Guard failed on the same frame"): undo them
         # so that the fallback to the captured graph really is harmless.
         _restore_functorch_depth(depth)
         raise
+    layout.restore_placeholders(traced.graph, args)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
@@ -81,11 +92,54 @@ def _one_hot(ids: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
 _TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot}
 
 
+class UntraceableConstruct(Exception):
+    """A node of the captured graph that the canonical trace could not run (a construct of the user's
+    code, e.g. a DTensor op on data-dependent sizes), named as the user wrote it."""
+
+    def __init__(self, node: torch.fx.Node, cause: BaseException):
+        self.construct = construct_name(node)
+        where = source_line(node)
+        self.where = f" at {where}" if where else ""
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        self.cause = f"{type(cause).__name__}: {first}"
+        super().__init__(f"the canonical trace cannot follow {self.construct}{self.where} ({self.cause})")
+
+    def __str__(self) -> str:  # the interpreter appends its node dump to args; the message stays ours
+        return f"the canonical trace cannot follow {self.construct}{self.where} ({self.cause})"
+
+
+def construct_name(node: torch.fx.Node) -> str:
+    """`torch.distributed.tensor._api.from_local`, `.clamp_()`, `Linear` as the captured graph calls it."""
+    if node.op == "call_method":
+        return f"`.{node.target}()`"
+    if node.op == "call_module":
+        return f"module `{node.target}`"
+    target = node.target
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    module = getattr(target, "__module__", None)
+    return f"`{module}.{name}`" if module and not isinstance(target, torch._ops.OpOverload) else f"`{name}`"
+
+
 class _CanonicalInterpreter(torch.fx.Interpreter):
     """Runs the captured graph op by op, with the few ops older torch cannot trace symbolically swapped."""
 
     def call_function(self, target, args, kwargs):
         return super().call_function(_TRACED_AS.get(target, target), args, kwargs)
+
+    def run_node(self, n):
+        try:
+            return super().run_node(n)
+        except (UntraceableConstruct, DataDependentOutputException):
+            raise  # already named, or reported as a data-dependent read by the backend
+        except Exception as error:  # noqa: BLE001 - named after the node, then handled by the backend
+            raise UntraceableConstruct(n, error) from error
+
+
+def makes_subclasses(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph computes with tensor subclasses (`DTensor.from_local` on a plain input, under
+    tensor or expert parallelism). Their constructors are autograd.Functions without `setup_context`,
+    which functorch's functionalize transform rejects; the Python functionalization traces them."""
+    return any(is_traceable_wrapper_subclass(node.meta.get("example_value")) for node in gm.graph.nodes)
 
 
 def uses_functorch_transforms(gm: torch.fx.GraphModule) -> bool:

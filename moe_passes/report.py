@@ -30,11 +30,17 @@ class Fused:
     router_experts: int | None = None
 
     def experts_text(self) -> str:
-        """"8 experts", or "2 experts (ids 2..3 of 4)" for one rank's share of the router's experts."""
+        """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
+        of the router's experts (the rank as the contiguous, equal shares count it)."""
         if self.router_experts is None or self.router_experts == self.num_experts:
             return f"{self.num_experts} experts"
         last = self.experts_min + self.num_experts - 1
-        return f"{self.num_experts} experts (ids {self.experts_min}..{last} of {self.router_experts})"
+        share = self.router_experts % self.num_experts == 0 and self.experts_min % self.num_experts == 0
+        rank = f" (rank {self.experts_min // self.num_experts})" if share else ""
+        return (
+            f"{self.num_experts} experts, expert parallel: experts {self.experts_min}..{last} of "
+            f"{self.router_experts}{rank}"
+        )
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,15 @@ BRIDGE_SCHEMAS = {
     "int total_experts=0, float alpha=1.702, float limit=7.0) -> Tensor",
 }
 
+# The newest bridge's keyword-only extras on `.default` and `.fused_weights` (../shared/research/hpu_fp8.md):
+# vllm-gaudi passes total_experts = the global expert count under expert parallelism.
+NEWEST_EXTRAS = ", *, bool? recomp=True, int chunk_size=0, int total_experts=0) -> Tensor"
+NEWEST_SCHEMAS = {
+    **BRIDGE_SCHEMAS,
+    "default": BRIDGE_SCHEMAS["default"].replace(") -> Tensor", NEWEST_EXTRAS),
+    "fused_weights": BRIDGE_SCHEMAS["fused_weights"].replace(") -> Tensor", NEWEST_EXTRAS),
+}
+
 # One dict per real (not fake) call, in call order.
 CALLS: list[dict] = []
 
@@ -52,18 +61,20 @@ def _record(overload, hidden_states, table, router_weights, lists, permuted, act
     )
 
 
-def _default(hidden_states, table, router_weights, w1, w2, w3, permuted_weights, activation, lo, hi):
+def _default(hidden_states, table, router_weights, w1, w2, w3, permuted_weights, activation, lo, hi, **extras):
     _record(
-        "default", hidden_states, table, router_weights, (w1, w2, w3), permuted_weights, activation, lo, hi
+        "default", hidden_states, table, router_weights, (w1, w2, w3), permuted_weights, activation, lo, hi,
+        **extras,
     )
     return reference.mixture_of_experts_reference(
         hidden_states, table, router_weights, w1, w2, w3, permuted_weights, activation, lo, hi
     )
 
 
-def _fused_weights(hidden_states, table, router_weights, w12, w3, permuted_weights, activation, lo, hi):
+def _fused_weights(hidden_states, table, router_weights, w12, w3, permuted_weights, activation, lo, hi, **extras):
     _record(
-        "fused_weights", hidden_states, table, router_weights, (w12, w3), permuted_weights, activation, lo, hi
+        "fused_weights", hidden_states, table, router_weights, (w12, w3), permuted_weights, activation, lo, hi,
+        **extras,
     )
     return reference.mixture_of_experts_fused_weights_reference(
         hidden_states, table, router_weights, w12, w3, permuted_weights, activation, lo, hi
@@ -104,7 +115,12 @@ def _hpu_op_registered() -> bool:
     return True
 
 
-def register_fake_gaudi_bridge() -> torch.library.Library | None:
+def register_newest_fake_gaudi_bridge() -> torch.library.Library | None:
+    """`register_fake_gaudi_bridge` with the newest bridge's schemas (keyword-only total_experts...)."""
+    return register_fake_gaudi_bridge(NEWEST_SCHEMAS)
+
+
+def register_fake_gaudi_bridge(schemas: dict[str, str] = BRIDGE_SCHEMAS) -> torch.library.Library | None:
     """Register `hpu::mixture_of_experts` unless it exists; returns the library that owns it.
 
     Safe to call any number of times. Returns None when something other than this module (the real
@@ -117,7 +133,7 @@ def register_fake_gaudi_bridge() -> torch.library.Library | None:
         library = torch.library.Library("hpu", "DEF")
     except RuntimeError:  # another library already owns the namespace: add to it
         library = torch.library.Library("hpu", "FRAGMENT")
-    for overload, schema in BRIDGE_SCHEMAS.items():
+    for overload, schema in schemas.items():
         library.define(schema)
         name = "mixture_of_experts" + ("" if overload == "default" else f".{overload}")
         library.impl(name, _KERNELS[overload], "CPU")

@@ -30,7 +30,7 @@ from .biases import with_bias as _with_bias
 from .finder import Finder, each_anchor
 from .gemm_tail import StackedLinear, expert_weights, read_gated_tail, stack_count
 from .matches import Decline, ExpertsMatch
-from .sentinels import through_id_clamp
+from .sentinels import through_id_clamp, through_weight_mask
 from .slots import SLOTS, SlotAlgebra
 
 aten = torch.ops.aten
@@ -103,6 +103,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return no(stacks, down.stack)
     num_experts = stack_count(tail)
     unclamped_ids, ids_clamped = through_id_clamp(down.chosen_by, num_experts)
+    slot_weights, sentinels_dropped = through_weight_mask(slot_weights, unclamped_ids, num_experts)
     ids = slot_table(unclamped_ids, top_k)
     weights = slot_table(slot_weights, top_k, through_casts=True)
     if ids is None:
@@ -123,7 +124,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         activation=tail.gate.activation,
         **stacks,
         **bias_fields(tail.gate.swiglu, tail.up.bias, down.bias),
-        assumes_ids_in_range=ids_clamped,
+        sentinels="dropped" if ids_clamped and sentinels_dropped else "clamped" if ids_clamped else None,
     )
 
 

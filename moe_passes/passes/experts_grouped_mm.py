@@ -129,7 +129,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         activation=tail.gate.activation,
         **stacks,
         **bias_fields(tail.gate.swiglu, tail.up.bias, down.bias),
-        assumes_ids_in_range=bool(bounds) or biases,
+        sentinels="dropped" if bounds else "clamped" if biases else None,
     )
 
 

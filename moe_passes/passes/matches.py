@@ -77,9 +77,13 @@ class ExpertsMatch:
     # Global id of the first expert held: a loop over a contiguous range of the router's experts (one
     # rank's share under expert parallelism) holds experts_min .. experts_min + num_experts - 1.
     experts_min: int = 0
-    # The region clamps or masks ids outside 0..E-1 (transformers 5.17's expert-parallel sentinels). That
-    # equals the kernel only when every id is one of the experts held, which the routing must show.
-    assumes_ids_in_range: bool = False
+    # The router's expert count when the region holds only part of it (the kernel's total_experts).
+    router_experts: int | None = None
+    # How the region treats ids outside 0..E-1 (transformers' expert-parallel sentinels): None, it does
+    # not (it indexes its stacks with them, so none may occur); "clamped", onto a held expert (none may
+    # occur either); "dropped", an id >= E contributes nothing, as in the kernel (no id may be negative).
+    # The pipeline checks this against the values the routing ids can take.
+    sentinels: str | None = None
 
     @property
     def experts_max(self) -> int:

@@ -11,6 +11,7 @@ nothing of reports or printers: the backend turns `Found` into the report.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from . import (
     experts_sparse_loop,
     routing,
 )
+from .expert_ids import ExpertIds, read_expert_ids
 from .finder import Finder
 from .matches import Decline, ExpertsMatch, RoutingInfo
 from .rewrite import rewrite_experts
@@ -120,7 +122,9 @@ def region_of(match: ExpertsMatch) -> set[Node]:
     }
 
 
-def check(match: ExpertsMatch, region: frozenset[Node], info: RoutingInfo) -> str | None:
+def check(
+    match: ExpertsMatch, region: frozenset[Node], info: RoutingInfo, expert_ids: ExpertIds | None = None
+) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
     sizes = read_only_for_sizes(match.output.graph)
     # A size read off a region tensor (and the runtime checks on it) is not a use of its values.
@@ -128,20 +132,9 @@ def check(match: ExpertsMatch, region: frozenset[Node], info: RoutingInfo) -> st
     if escapes:
         inside, outside = escapes[0]
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
-    if info.num_experts is not None and info.num_experts != match.num_experts:
-        # Loops were checked expert by expert against the router's width (probes): they may hold a
-        # contiguous part of its experts. The GEMM forms index their stacks with the ids themselves.
-        partial = match.form in PARTIAL_RANGE_FORMS and match.experts_max < info.num_experts
-        if not partial:
-            return (
-                f"the router scores {info.num_experts} experts but the region holds experts "
-                f"{match.experts_min}..{match.experts_max}"
-            )
-    if match.assumes_ids_in_range and info.num_experts != match.num_experts:
-        return (
-            "the experts clamp or mask ids outside 0..E-1 (expert-parallel sentinels), and the routing does "
-            "not show that every id is one of the experts held (top-k over exactly E router columns)"
-        )
+    reason = _ids_reason(match, info, expert_ids)
+    if reason is not None:
+        return reason
     # Sizes are read through their hints (const_int): int() on a SymInt would add a guard and make
     # dynamo recompile for every new token count.
     hidden, ids = shape(match.hidden), shape(match.ids)
@@ -150,9 +143,57 @@ def check(match: ExpertsMatch, region: frozenset[Node], info: RoutingInfo) -> st
         tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
     if tokens is not None and len(ids) == 2 and const_int(ids[0]) not in (None, tokens):
         return "the hidden states and the routing table hold different numbers of tokens"
-    if match.top_k > (info.num_experts or match.num_experts):
+    if match.top_k > (info.num_experts or (expert_ids and expert_ids.router_experts) or match.num_experts):
         return "top-k exceeds the number of experts"
     return None
+
+
+def _ids_reason(match: ExpertsMatch, info: RoutingInfo, ids: ExpertIds | None) -> str | None:
+    """Why an id could reach the region's experts otherwise than the kernel's, or None.
+
+    The kernel runs the experts held on the ids in experts_min..experts_max and skips every other id.
+    Loops were checked expert by expert (probes) and skip every other id too. The GEMM forms index their
+    stacks with the ids, so every id must be held, unless their sentinel handling drops ids >= E (then
+    no id may be negative); that is read from the values the ids can take, else from the router's width.
+    """
+    held = f"{match.experts_min}..{match.experts_max}"
+    if match.form in PARTIAL_RANGE_FORMS:
+        if info.num_experts is not None and info.num_experts <= match.experts_max:
+            return f"the router scores {info.num_experts} experts but the region holds experts {held}"
+        return None
+    if ids is not None:
+        if match.sentinels == "dropped":
+            if ids.low < 0:
+                return f"the routing ids can be negative ({ids.low}), and the experts drop only ids >= {match.num_experts}"
+            return None
+        if ids.low < match.experts_min or ids.high > match.experts_max:
+            how = "clamp them onto held experts" if match.sentinels == "clamped" else "index their stacks with them"
+            return f"the routing ids take values {ids.low}..{ids.high}, the experts hold {held} and {how}"
+        return None
+    if match.sentinels is not None and info.num_experts != match.num_experts:
+        return (
+            "the experts clamp or mask ids outside 0..E-1 (expert-parallel sentinels), and the routing does "
+            "not show that every id is one of the experts held (top-k over exactly E router columns)"
+        )
+    if info.num_experts is not None and info.num_experts != match.num_experts:
+        return f"the router scores {info.num_experts} experts but the region holds experts {held}"
+    return None
+
+
+def on_router_ids(match: ExpertsMatch, ids: ExpertIds | None) -> ExpertsMatch:
+    """The match on the router's own ids, with the held experts' global range, when its ids are those
+    remapped onto the experts held (expert parallelism: `where(ids // E_local != rank, E_local, ids %
+    E_local)` and the like); else the match as it is.
+
+    Valid once `check` passed: an id outside the held range contributes nothing in the region, and a
+    router choice outside the global window contributes nothing in the kernel.
+    """
+    if ids is None or ids.choices is None or ids.router_experts == match.num_experts:
+        return match
+    first = ids.window(match.experts_min, match.num_experts)
+    if first is None:
+        return match
+    return dataclasses.replace(match, ids=ids.choices, experts_min=first, router_experts=ids.router_experts)
 
 
 def rounding_needed(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
@@ -274,11 +315,15 @@ def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -
         taken.add(result.output)
         region = frozenset(region_of(result))
         info = routing.describe(result.ids, result.weights)
-        reason = check(result, region, info) or (rounding_needed(result, region) if strict else None)
+        ids = read_expert_ids(result.ids)
+        reason = check(result, region, info, ids) or (rounding_needed(result, region) if strict else None)
         if reason is not None:
             found.rejected.append(Rejected(_layer_of(result), result.form, reason, result.output))
             continue
-        found.accepted.append(Accepted(result, _layer_of(result), info, region))
+        lowered = on_router_ids(result, ids)
+        if lowered is not result:
+            info = routing.describe(lowered.ids, lowered.weights)
+        found.accepted.append(Accepted(lowered, _layer_of(result), info, region))
 
 
 def apply(gm: GraphModule, found: Found, target: str) -> list[Node]:

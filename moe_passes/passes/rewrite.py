@@ -115,6 +115,8 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
             experts_min=match.experts_min,
             experts_max=match.experts_max,
         )
+        if match.router_experts is not None:  # newer Gaudi bridges take the global expert count
+            values["total_experts"] = match.router_experts
         op = lowering.fused_overload(target, match.overload)
         args, kwargs = lowering.call_arguments(op, values)
         fused = graph.call_function(op, args, kwargs)  # the one node the region becomes

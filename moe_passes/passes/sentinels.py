@@ -1,11 +1,11 @@
-"""Expert-parallel sentinels in transformers 5.17's expert code: clamps and masks on the expert ids.
+"""Expert-parallel sentinels in transformers' expert code: clamps and masks on the expert ids.
 
-transformers 5.17 prepared its grouped and batched experts for ids that name no local expert (id >= E,
-a "sentinel" under expert parallelism): the batched form clamps the ids to 0..E-1 before gathering
-weights, the grouped form zeroes the rows whose sorted id is >= E before and after each grouped matmul.
-When every id is one of the E experts held, both are no-ops; the finders look through them and mark the
-match (`ExpertsMatch.assumes_ids_in_range`), and the pipeline keeps the rewrite only when the routing
-shows it (top-k over exactly E router columns).
+transformers (5.17 on) prepares its grouped and batched experts for ids that name no local expert (id >=
+E, a "sentinel" under expert parallelism): the batched form clamps the ids to 0..E-1 before gathering
+weights (and, from 5.23, zeroes the weights of the slots whose id is >= E), the grouped form zeroes the
+rows whose sorted id is >= E before and after each grouped matmul. The finders look through them and say
+what they do to an id outside 0..E-1 (`ExpertsMatch.sentinels`); the pipeline keeps the rewrite only
+when the values the routing ids can take make the region equal to the kernel.
 """
 
 from __future__ import annotations
@@ -43,3 +43,17 @@ def through_sentinel_mask(node: Node, perm: Node) -> tuple[Node, int | None]:
         return node, None
     bound = const_int(test.args[1])
     return (node.args[0], bound) if bound is not None else (node, None)
+
+
+def through_weight_mask(weights: Node, ids: Node, num_experts: int | None) -> tuple[Node, bool]:
+    """(w, True) when weights = w.masked_fill(ids >= E, 0) on the same ids (transformers 5.23's batched
+    experts zero the weights of the sentinel slots); (weights, False) otherwise."""
+    node = strip_shape_ops(weights)
+    if num_experts is None or not (is_call(node, aten.masked_fill.Scalar) and node.args[2] == 0):
+        return weights, False
+    test = strip_shape_ops(node.args[1])
+    if not (is_call(test, aten.ge.Scalar) and const_int(test.args[1]) == num_experts):
+        return weights, False
+    if strip_shape_ops(test.args[0]) is not strip_shape_ops(ids):
+        return weights, False
+    return node.args[0], True
