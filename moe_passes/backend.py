@@ -162,6 +162,8 @@ def routing_text(info: RoutingInfo) -> str:
         parts.append("fp32 softmax")
     if info.scale is not None:
         parts.append(f"scaled x{info.scale:g}")
+    if info.masked:
+        parts.append("weights zeroed by a mask")
     return ", ".join(parts)
 
 

@@ -109,3 +109,38 @@ def test_ids_that_can_be_negative_are_declined_with_the_value(implementation):
     assert "can be negative (-4)" in declined.reason or "take values -4..4" in declined.reason, declined.reason
     # No output check: transformers' experts themselves give no defined result for negative ids (grouped_mm's
     # sort puts them before the first group's offset), and eager and compiled code disagree on it.
+
+
+class DenseLoopRank(torch.nn.Module):
+    """The same rank as a loop over its 4 experts (nn.Linear each), every token through every expert."""
+
+    def __init__(self, remap):
+        super().__init__()
+        self.router = torch.nn.Linear(16, ROUTER, bias=False)
+        self.gate = torch.nn.ModuleList(torch.nn.Linear(16, 8, bias=False) for _ in range(LOCAL))
+        self.up = torch.nn.ModuleList(torch.nn.Linear(16, 8, bias=False) for _ in range(LOCAL))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(8, 16, bias=False) for _ in range(LOCAL))
+        self.remap = remap
+        init_weights(self, seed=0)
+
+    def forward(self, x):
+        weights, choices = torch.topk(torch.softmax(self.router(x), dim=-1), 2, dim=-1)
+        local, mine = self.remap(choices)
+        weights = weights * mine
+        out = torch.zeros_like(x)
+        for e in range(LOCAL):
+            share = (weights * (local == e)).sum(-1, keepdim=True)
+            out = out + share * self.down[e](torch.nn.functional.silu(self.gate[e](x)) * self.up[e](x))
+        return out
+
+
+@pytest.mark.parametrize("remap", [all_reduce_ep, scrambled], ids=lambda f: f.__name__)
+def test_a_loop_over_remapped_ids_is_fused_on_the_router_ids(remap):
+    # The loop finder checks on probes which router expert each term takes, through the remap: the
+    # rank's experts, in the router's order (the scrambled remap permutes the terms), on the router's ids.
+    model = DenseLoopRank(remap).eval()
+    inputs = (torch.randn(10, 16),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    (node,) = recorder.fused_nodes()
+    assert fused_range(node) == (4, 7, "aten.topk.default"), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

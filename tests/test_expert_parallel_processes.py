@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 CASES = [ep.Config(2, model, form) for model in ep.MODELS for form in ep.FORMS]
 CASES += [ep.Config(4, "qwen3_moe", "grouped_mm"), ep.Config(4, "mixtral", "batched_mm")]
+CASES += [ep.Config(2, "qwen3_moe", "batched_mm", attention="tensor_parallel")]
 CASES += [ep.Config(2, "mixtral", "grouped_mm", "all_to_all")]
 
 

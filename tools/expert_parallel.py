@@ -44,6 +44,7 @@ class Config:
     model: str
     form: str
     ep_implementation: str = "all_reduce"
+    attention: str = "replicated"  # or "tensor_parallel": the model's own tp_plan (attention sharded)
 
 
 @dataclass
@@ -92,9 +93,15 @@ def save_tiny_model(model: str, directory: str) -> str:
     return path
 
 
-def replicated_attention(model: str) -> dict[str, str]:
-    """tp_plan rules that keep attention whole on every rank: the EP group is then the whole batch's
-    group (transformers' all-reduce EP needs ep_size == tp_size)."""
+ATTENTION = ("replicated", "tensor_parallel")
+
+
+def tp_plan(attention: str) -> dict[str, str] | None:
+    """The tp_plan for `attention`: rules that keep attention whole on every rank, or None for the
+    model's own plan (attention heads sharded over the ranks, DTensors computed in the graph). Either
+    way the EP group is the tensor-parallel group, as transformers' all-reduce EP needs."""
+    if attention == "tensor_parallel":
+        return None
     return {f"model.layers.*.self_attn.{p}_proj": "replicate" for p in "qkvo"}
 
 
@@ -172,7 +179,7 @@ def run_rank(config: Config, path: str, rank: int, device: str = "cpu") -> RankR
     distributed = DistributedConfig(
         tp_size=config.ranks,
         ep_size=config.ranks,
-        tp_plan=replicated_attention(config.model),
+        tp_plan=tp_plan(config.attention),
         ep_implementation=config.ep_implementation,
     )
     with warnings.catch_warnings():
@@ -297,9 +304,9 @@ def _under_torchrun(configs: list[Config], backend: str, device: str, setup: str
 
 def table(results) -> str:
     lines = [
-        "| ranks | model | experts | EP | fused / MoE layers (every rank) | ranks' experts | graph breaks | "
+        "| ranks | model | experts | EP | attention | fused / MoE layers (every rank) | ranks' experts | graph breaks | "
         "compiles per rank | all-reduce after the fused call | max diff vs 1 process |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, ranks in results:
         fused = "/".join(str(r.fused) for r in ranks)
@@ -308,7 +315,8 @@ def table(results) -> str:
         feeds = "yes" if all(r.fused_feeds_collective for r in ranks) else "no"
         worst = max(r.max_difference for r in ranks)
         lines.append(
-            f"| {config.ranks} | {config.model} | {config.form} | {config.ep_implementation} | {fused} of {layers} | "
+            f"| {config.ranks} | {config.model} | {config.form} | {config.ep_implementation} | {config.attention} | "
+            f"{fused} of {layers} | "
             f"{windows} | {max(r.graph_breaks for r in ranks)} | {max(r.compiles for r in ranks)} | {feeds} | "
             f"{worst:.1e} |"
         )
@@ -321,6 +329,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
     parser.add_argument("--ep-implementation", nargs="+", default=["all_reduce"], choices=EP_IMPLEMENTATIONS)
+    parser.add_argument("--attention", nargs="+", default=["replicated"], choices=ATTENTION)
     parser.add_argument("--backend", default="gloo", help="torch.distributed backend (gloo, nccl, hccl)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--setup", help="module (or module:function) each rank imports first, e.g. habana_frameworks.torch")
@@ -328,7 +337,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reports", action="store_true", help="print each rank's moe_passes report")
     args = parser.parse_args(argv)
     configs = [
-        Config(r, m, f, e) for r in args.ranks for m in args.models for f in args.forms for e in args.ep_implementation
+        Config(r, m, f, e, a)
+        for r in args.ranks
+        for m in args.models
+        for f in args.forms
+        for e in args.ep_implementation
+        for a in args.attention
     ]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         results = _under_torchrun(configs, args.backend, args.device, args.setup)

@@ -52,6 +52,7 @@ class RoutingInfo:
     bias_corrected: bool | None = None  # sigmoid_topk: experts chosen on scores + a correction bias
     grouped: bool | None = None  # sigmoid_topk: experts outside the best groups masked out first
     scale: float | None = None  # a constant factor on the weights (DeepSeek's routed_scaling_factor)
+    masked: bool | None = None  # weights zeroed by a mask (expert parallelism: other ranks' experts)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@
 
 Finders are independent (one module per expert form, registered with the ops that anchor them, and
 switchable by name). Checks that hold for every form (nothing inside the region is used outside it, the
-router's width agrees with the experts held, token counts line up) live here once. The pass knows
+ids that can reach the experts are ones the kernel computes the same way (`expert_ids`), token counts
+line up) live here once; so does lowering a rank's remapped ids onto the router's own ids and window. The pass knows
 nothing of reports or printers: the backend turns `Found` into the report.
 """
 
@@ -127,8 +128,10 @@ def check(
 ) -> str | None:
     """A reason to decline a structurally matched region, or None when it is safe to rewrite."""
     sizes = read_only_for_sizes(match.output.graph)
-    # A size read off a region tensor (and the runtime checks on it) is not a use of its values.
-    escapes = [(a, b) for a, b in escaping_users(region, match.output) if b not in sizes]
+    # A size read off a region tensor (and the runtime checks on it) is not a use of its values; id
+    # arithmetic the weights share (an expert-parallel rank mask) stays, computed once, for its other users.
+    computing = _on_expert_side(match, region)
+    escapes = [(a, b) for a, b in escaping_users(region, match.output) if b not in sizes and a in computing]
     if escapes:
         inside, outside = escapes[0]
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
@@ -146,6 +149,19 @@ def check(
     if match.top_k > (info.num_experts or (expert_ids and expert_ids.router_experts) or match.num_experts):
         return "top-k exceeds the number of experts"
     return None
+
+
+def _on_expert_side(match: ExpertsMatch, region: frozenset[Node]) -> set[Node]:
+    """The region's nodes that compute with the hidden states, the routing weights or the expert weights
+    (the rest is arithmetic on the ids alone)."""
+    side, stack = set(), [match.hidden, match.weights, *match.weight_nodes()]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in region and user not in side:
+                side.add(user)
+                stack.append(user)
+    return side
 
 
 def _ids_reason(match: ExpertsMatch, info: RoutingInfo, ids: ExpertIds | None) -> str | None:

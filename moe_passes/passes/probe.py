@@ -52,6 +52,27 @@ PROBE_OPS = (
         aten.unbind.int,
         operator.getitem,
     }
+    # Id arithmetic: expert parallelism remaps the router's ids onto a rank's experts before a loop
+    # compares them with each expert (`where(ids // E_local != rank, E_local, ids % E_local)`).
+    | {
+        aten.ne.Scalar,
+        aten.ne.Tensor,
+        aten.ge.Scalar,
+        aten.gt.Scalar,
+        aten.le.Scalar,
+        aten.lt.Scalar,
+        aten.remainder.Scalar,
+        aten.floor_divide.default,
+        aten.logical_not.default,
+        aten.logical_and.default,
+        aten.logical_or.default,
+        aten.bitwise_not.default,
+        aten.bitwise_and.Tensor,
+        aten.bitwise_or.Tensor,
+        aten.clamp.default,
+        aten.masked_fill.Scalar,
+        aten.where.ScalarSelf,
+    }
 )
 
 

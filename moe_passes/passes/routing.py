@@ -7,6 +7,8 @@ router's width matches the number of experts the region holds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.fx import Node
 
@@ -84,11 +86,30 @@ def _sigmoid_topk(topk: Node, ids: Node, values: Node, scale: float | None) -> R
     )
 
 
+def _unmasked(weights: Node) -> tuple[Node, bool]:
+    """(w, True) when weights = w.masked_fill(mask, 0) or w * bool_mask (expert parallelism zeroes the
+    weights of the experts other ranks hold), else (weights, False)."""
+    node = strip_casts(weights)
+    if is_call(node, aten.masked_fill.Scalar) and node.args[2] == 0:
+        return node.args[0], True
+    if is_call(node, aten.mul.Tensor) and all(isinstance(a, Node) for a in node.args):
+        for value, mask in (node.args, node.args[::-1]):
+            if dtype(mask) == torch.bool or dtype(strip_casts(mask)) == torch.bool:
+                return value, True
+    return weights, False
+
+
 def describe(ids: Node, weights: Node) -> RoutingInfo:
     """What routing produced (ids, weights); kind "opaque" when it is not a recognised form."""
     topk = _topk_of(ids)
     if topk is None:
         return RoutingInfo("opaque")
+    weights, masked = _unmasked(weights)
+    info = _describe(topk, ids, weights)
+    return dataclasses.replace(info, masked=True) if masked else info
+
+
+def _describe(topk: Node, ids: Node, weights: Node) -> RoutingInfo:
     weights, scale = _scaled_source(weights)
     sigmoid = _sigmoid_topk(topk, ids, weights, scale)
     if sigmoid is not None:
