@@ -10,6 +10,11 @@ the script behind the README's table; each rank count is one spawn of processes 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,3 +72,18 @@ def test_all_to_all_mode_is_reported_with_its_break_and_advice(results):
         assert any("exchanges tokens between ranks (all-to-all)" in a for a in r.advice), r.advice
         assert all("internal error" not in f for f in r.fallbacks), r.fallbacks
         assert r.max_difference < 1e-5
+
+
+def test_the_readme_script_runs_as_written(tmp_path):
+    """The README's "script of your own", under torchrun on 2 ranks, on a saved tiny model."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Expert parallel across processes") :]
+    script = section[section.index("In a script of your own") :].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "ep_example.py").write_text(script)
+    model = ep.save_tiny_model("mixtral", str(tmp_path))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "ep_example.py", model]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for window in ("experts 0..3 of 8 (rank 0)", "experts 4..7 of 8 (rank 1)"):
+        assert result.stdout.count(window) == 2, result.stdout

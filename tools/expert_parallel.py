@@ -223,7 +223,16 @@ def run_setup(setup: str | None) -> None:
         getattr(imported, function)()
 
 
+def keep_to_device(device: str) -> None:
+    """On a CPU run, hide CUDA devices from this rank before anything initialises CUDA: transformers
+    builds its device mesh for the machine's accelerator, and CPU tensors on a CUDA mesh crash gloo's
+    collectives (torch 2.11 on the GPU machine: a segfault in the first all-gather)."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, device: str, jobs, outbox, setup=None) -> None:
+    keep_to_device(device)
     run_setup(setup)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -281,6 +290,7 @@ def run(
 
 def _under_torchrun(configs: list[Config], backend: str, device: str, setup: str | None):
     """Launched by torchrun: this process is one rank of WORLD_SIZE; rank 0 gathers the results."""
+    keep_to_device(device)
     run_setup(setup)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
