@@ -1,6 +1,6 @@
 """The values routing ids can take (passes/expert_ids.py), on one process: a rank of 4 of 8 experts with
 transformers' real experts code (grouped_mm and batched_mm, sentinel handling on), fed ids remapped in
-different spellings. A remap that is a shifted window of the router's experts is fused on the router's
+different spellings, and as dense and sparse expert loops. A remap that is a shifted window of the router's experts is fused on the router's
 own ids with that window; one that is not is fused on the remapped ids; one that can give a negative
 id, which the sentinel masks do not catch, is declined with the reason.
 """
@@ -143,4 +143,30 @@ def test_a_loop_over_remapped_ids_is_fused_on_the_router_ids(remap):
     report, output, recorder = run_hpu_moe(model, inputs)
     (node,) = recorder.fused_nodes()
     assert fused_range(node) == (4, 7, "aten.topk.default"), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class SparseLoopRank(DenseLoopRank):
+    """The same rank as a loop that gathers each expert's tokens (`torch.where` on the remapped ids)."""
+
+    def forward(self, x):
+        weights, choices = torch.topk(torch.softmax(self.router(x), dim=-1), 2, dim=-1)
+        local, mine = self.remap(choices)
+        weights = weights * mine
+        out = torch.zeros_like(x)
+        for e in range(LOCAL):
+            token, slot = torch.where(local == e)
+            rows = x[token]
+            h = self.down[e](torch.nn.functional.silu(self.gate[e](rows)) * self.up[e](rows))
+            out = out.index_add(0, token, h * weights[token, slot, None])
+        return out
+
+
+def test_a_sparse_loop_over_remapped_ids_is_fused_on_the_router_ids():
+    model = SparseLoopRank(all_reduce_ep).eval()
+    inputs = (torch.randn(10, 16),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    (node,) = recorder.fused_nodes()
+    assert fused_range(node) == (4, 7, "aten.topk.default"), str(report)
+    assert report.graph_break_count == 0
     assert_close_for_dtype(output, eager_output(model, inputs))
