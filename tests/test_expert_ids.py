@@ -1,8 +1,8 @@
 """The values routing ids can take (passes/expert_ids.py), on one process: a rank of 4 of 8 experts with
-transformers' real experts code (grouped_mm and batched_mm, sentinel handling on), fed ids remapped in
-different spellings, and as dense and sparse expert loops. A remap that is a shifted window of the router's experts is fused on the router's
-own ids with that window; one that is not is fused on the remapped ids; one that can give a negative
-id, which the sentinel masks do not catch, is declined with the reason.
+transformers' real experts code (grouped_mm and batched_mm, sentinel handling on) and as dense and sparse
+expert loops, fed ids remapped in different spellings. A remap that is a shifted window of the router's
+experts is fused on the router's own ids with that window; one that is not is fused on the remapped ids;
+one that can give a negative id, which the sentinel masks do not catch, is declined with the reason.
 """
 
 from __future__ import annotations

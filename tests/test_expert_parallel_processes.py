@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import torch_release
 from tools import expert_parallel as ep
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -69,7 +70,10 @@ def test_all_to_all_mode_is_reported_with_its_break_and_advice(results):
     (config,) = [c for c in CASES if c.ep_implementation == "all_to_all"]
     for r in results[config]:
         assert r.graph_breaks > 0 and r.fused == 0
-        assert any("exchanges tokens between ranks (all-to-all)" in a for a in r.advice), r.advice
+        # torch 2.9's dynamo breaks earlier, at transformers' context manager around the experts, so the
+        # exchange's .tolist() is never traced there; from 2.10 the break is the exchange's, with advice.
+        if torch_release() >= (2, 10):
+            assert any("exchanges tokens between ranks (all-to-all)" in a for a in r.advice), r.advice
         assert all("internal error" not in f for f in r.fallbacks), r.fallbacks
         assert r.max_difference < 1e-5
 
