@@ -91,23 +91,19 @@ class SubclassInputs:
         subclass input read into its inner tensors by `getattr` nodes that take the old placeholders' place."""
         if not self.any:
             return
-        leaves = iter(list(graph.find_nodes(op="placeholder")))
+        placeholders = list(graph.find_nodes(op="placeholder"))
         body = next(n for n in graph.nodes if n.op != "placeholder")
+        position = 0
         for value, layout in zip(inputs, self.layouts, strict=True):
+            count = 1 if layout is None else layout.leaves()
+            own, position = placeholders[position : position + count], position + count
             if layout is None:
-                next(leaves)
                 continue
-            first = next(leaves)
-            with graph.inserting_before(first):
-                outer = graph.placeholder(first.name.rsplit("_", 1)[0] if "_" in first.name else first.name)
+            with graph.inserting_before(own[0]):
+                outer = graph.placeholder(own[0].name.rsplit("_", 1)[0])
             outer.meta["val"] = value
             with graph.inserting_before(body):
-                _read_inner(graph, outer, layout, _chain([first], leaves))
-
-
-def _chain(head: list, rest):
-    yield from head
-    yield from rest
+                _read_inner(graph, outer, layout, iter(own))
 
 
 def _read_inner(graph: torch.fx.Graph, outer: torch.fx.Node, layout: _Layout, leaves) -> None:
