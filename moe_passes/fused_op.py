@@ -2,13 +2,14 @@
 
 Why it exists: off Gaudi there is no `torch.ops.hpu.mixture_of_experts`, yet the rewrite must still
 have a target, and every behaviour of the rewrite must be testable on CPU and CUDA. This op has the
-same overloads, schemas and semantics as the bridge's (see the project's op contract), so a graph
-rewritten for one runs on the other.
+bridge's overloads, schemas and semantics (see the project's op contract), so a graph rewritten for
+one runs on the other, plus two overloads of its own that take each weight role as one stacked
+[E, ...] tensor (what the rewrite emits for the portable target when the weights are stacked).
 
-The kernel computes only routed (token, expert) pairs: the pairs are sorted by expert once, counted
-with one host sync, and each expert that received tokens runs its MLP on exactly those rows; the
-weighted results are summed in float32. Fake kernels let the op flow through dynamo, AOTAutograd and
-inductor as one opaque, functional call.
+On CUDA (bfloat16/float16) it runs the fused Triton kernel (`kernels/`); elsewhere grouped matmuls
+over the stacked weights, or a loop over the experts that received tokens. Fake kernels let the op
+flow through dynamo, AOTAutograd and inductor as one functional call; on CUDA inductor sees through
+the stacked overloads to the Triton kernels and launches them from its own generated code.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from . import kernels, reference
 
@@ -34,6 +36,16 @@ SCHEMAS = {
     "Tensor expert_routing_table, Tensor router_weights, Tensor[] w12, Tensor[] w3, Tensor[] w12_bias, "
     "Tensor[] w3_bias, *, bool permuted_weights, int experts_min, int experts_max, int chunk_size=0, "
     "int total_experts=0, float alpha=1.702, float limit=7.0) -> Tensor",
+}
+# The portable target's own overloads: `.default` and `.fused_weights` with each weight role passed as
+# one stacked [E, ...] tensor instead of a list of per-expert tensors.
+STACKED_SCHEMAS = {
+    "stacked": "mixture_of_experts.stacked(Tensor hidden_states, Tensor expert_routing_table, "
+    "Tensor router_weights, Tensor w1, Tensor w2, Tensor w3, bool permuted_weights, str activation, "
+    "int experts_min, int experts_max) -> Tensor",
+    "stacked_fused_weights": "mixture_of_experts.stacked_fused_weights(Tensor hidden_states, "
+    "Tensor expert_routing_table, Tensor router_weights, Tensor w12, Tensor w3, bool permuted_weights, "
+    "str activation, int experts_min, int experts_max) -> Tensor",
 }
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -114,15 +126,16 @@ def _layout(out_features: int, in_features: int, permuted: bool) -> tuple[int, i
     return (out_features, in_features) if permuted else (in_features, out_features)
 
 
-def _intermediate_size(name: str, weight: torch.Tensor, hidden: int, permuted: bool, parts: int) -> int:
-    """The intermediate size I read off the first gate (or fused gate/up) weight."""
-    if weight.dim() != 2:
-        raise MoEInputError(f"{name}[0] must be 2-D, got shape {tuple(weight.shape)}")
-    out_features, in_features = weight.shape if permuted else weight.shape[::-1]
+def _intermediate_size(name: str, matrix: torch.Tensor | torch.Size, hidden: int, permuted: bool, parts: int) -> int:
+    """The intermediate size I read off one expert's gate (or fused gate/up) matrix (or its shape)."""
+    shape = tuple(matrix.shape if isinstance(matrix, torch.Tensor) else matrix)
+    if len(shape) != 2:
+        raise MoEInputError(f"{name} must be 2-D, got shape {shape}")
+    out_features, in_features = shape if permuted else shape[::-1]
     if in_features != hidden or out_features % parts:
         layout = "[out, in]" if permuted else "[in, out]"
         raise MoEInputError(
-            f"{name}[0] has shape {tuple(weight.shape)}; with permuted_weights={permuted} it must be "
+            f"{name} has shape {shape}; with permuted_weights={permuted} it must be "
             f"{layout} with in = hidden size {hidden}" + (" and an even out size" if parts > 1 else "")
         )
     return out_features // parts
@@ -179,10 +192,8 @@ def _combine(hidden_states, table, router_weights, experts_min: int, count: int,
     return _sum_slots(per_slot, tokens, top_k, hidden_states.dtype)
 
 
-# The grouped path: when the per-expert weights are views of one stacked tensor (what the rewrite
-# emits: `unbind` of a stacked parameter), the stacked tensor is recovered without a copy and all
-# experts run in two grouped matmuls, with no host sync. Used on CUDA (where the Triton kernel does not
-# apply) and CPU; the loop above is the fallback.
+# The grouped path: all experts in grouped matmuls over the stacked weights, with no host sync. Used on
+# CUDA where the Triton kernel does not apply, and on CPU for few rows per expert; the loop is the fallback.
 GROUPED_DEVICES = {"cuda", "cpu"}
 GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}  # what each device's
 # torch._grouped_mm takes
@@ -195,9 +206,10 @@ CPU_GROUPED_MAX_ROWS = 128
 def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The [E, ...] tensor that `tensors` are consecutive equal-stride slices of, or None.
 
-    Cheap enough to run on every call with E = 128 lists: addresses first (an integer each), then one
-    metadata comparison per tensor. The strided view is taken over the first tensor's storage, whose
-    bounds torch checks, so tensors that merely lie evenly spaced in memory are never read as one.
+    Lets the list overloads run the stacked implementation when their lists are `unbind` of one
+    parameter. Addresses first (an integer each), then one metadata comparison per tensor. The strided
+    view is taken over the first tensor's storage, whose bounds torch checks, so tensors that merely
+    lie evenly spaced in memory are never read as one.
     """
     first = tensors[0]
     pointers = [t.data_ptr() for t in tensors]
@@ -216,9 +228,13 @@ def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _grouped_fused(
-    hidden_states, table, router_weights, w12, w3, permuted: bool, act, experts_min: int, count: int
+    hidden_states, table, router_weights, gate_up: Sequence[torch.Tensor], down, permuted: bool, act,
+    experts_min: int, count: int,
 ):
-    """`.fused_weights` with two grouped matmuls, or None when this path does not apply."""
+    """The op's result from grouped matmuls over stacked weights, or None when this path does not apply.
+
+    `gate_up` is (fused gate/up stack,) or (gate stack, up stack).
+    """
     grouped_mm = getattr(torch, "_grouped_mm", None)
     if (
         grouped_mm is None
@@ -228,21 +244,18 @@ def _grouped_fused(
         return None
     if hidden_states.device.type == "cpu" and table.numel() > CPU_GROUPED_MAX_ROWS * count:
         return None  # many rows per expert: the loop's plain matmuls are faster on CPU
-    gate_up, down = _stacked_view(w12), _stacked_view(w3)
-    if gate_up is None or down is None:
-        return None
     if permuted:  # grouped_mm takes [E, in, out]
-        gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+        gate_up, down = [w.transpose(-2, -1) for w in gate_up], down.transpose(-2, -1)
     top_k = table.shape[1]
     local = table.reshape(-1).long() - experts_min
     outside = (local < 0) | (local >= count)
     local = local.masked_fill(outside, count)  # out-of-range pairs sort last, past every group
     order = torch.argsort(local, stable=True)
     offsets = torch.cumsum(torch.bincount(local, minlength=count + 1)[:count], 0, dtype=torch.int32)
-    rows = order // top_k
+    rows = hidden_states.index_select(0, order // top_k)
     try:
-        h = grouped_mm(hidden_states.index_select(0, rows), gate_up, offs=offsets)
-        gate, up = h.chunk(2, dim=-1)
+        projected = [grouped_mm(rows, w, offs=offsets) for w in gate_up]
+        gate, up = projected[0].chunk(2, dim=-1) if len(projected) == 1 else projected
         y = grouped_mm(act(gate) * up, down, offs=offsets)
     except RuntimeError:  # shapes or alignment the grouped kernel does not take: use the loop
         return None
@@ -259,6 +272,49 @@ def _swiglu_expert(gate_up: Callable, down: Sequence[torch.Tensor], act, permute
         return _linear(act(gate) * up, down[index], permuted)
 
     return expert
+
+
+def _gate_and_up(stacked: torch.Tensor, inter: int, permuted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a stacked fused weight ([E, 2I, H] permuted, else [E, H, 2I])."""
+    if permuted:
+        return stacked[:, :inter], stacked[:, inter:]
+    return stacked[..., :inter], stacked[..., inter:]
+
+
+def _run(hidden_states, table, router_weights, gate_up, down, permuted: bool, activation: str, experts_min: int,
+         count: int, inter: int):
+    """The op's result for checked stacked weights: the Triton kernel, else grouped matmuls, else the loop.
+
+    `gate_up` is (fused gate/up stack,) or (gate stack, up stack); every stack is [E, out, in] when
+    `permuted`, else [E, in, out].
+    """
+    act = activation_function(activation)
+    gate, up = _gate_and_up(gate_up[0], inter, permuted) if len(gate_up) == 1 else gate_up
+    fused = kernels.fused_moe_cuda(
+        hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min
+    )
+    if fused is not None:
+        return fused
+    grouped = _grouped_fused(hidden_states, table, router_weights, gate_up, down, permuted, act, experts_min, count)
+    if grouped is not None:
+        return grouped
+
+    def project(index: int, x: torch.Tensor):
+        return _linear(x, gate[index], permuted), _linear(x, up[index], permuted)
+
+    expert = _swiglu_expert(project, down, act, permuted)
+    return _combine(hidden_states, table, router_weights, experts_min, count, expert)
+
+
+def _check_stack(name: str, stack: torch.Tensor, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A stacked weight holds one [shape] matrix per expert of the range, in the hidden dtype."""
+    if stack.dim() != 3 or stack.shape[0] != count or tuple(stack.shape[1:]) != shape:
+        raise MoEInputError(
+            f"{name} has shape {tuple(stack.shape)}, expected {(count, *shape)} "
+            "(one matrix per expert of the range experts_min..experts_max)"
+        )
+    if stack.dtype != dtype:
+        raise MoEInputError(f"{name} is {stack.dtype}, expected the hidden dtype {dtype}")
 
 
 def mixture_of_experts(
@@ -279,18 +335,14 @@ def mixture_of_experts(
     count = _expert_count(experts_min, experts_max)
     _check_lengths({"w1": w1, "w2": w2, "w3": w3}, count)
     hidden, dtype = hidden_states.shape[1], hidden_states.dtype
-    inter = _intermediate_size("w1", w1[0], hidden, permuted_weights, parts=1)
-    stacks = [_stacked_view(w) for w in (w1, w2, w3)] if hidden_states.is_cuda else [None] * 3
+    inter = _intermediate_size("w1[0]", w1[0], hidden, permuted_weights, parts=1)
+    stacks = [_stacked_view(w) for w in (w1, w2, w3)]
     for name, weights, stack in (("w1", w1, stacks[0]), ("w2", w2, stacks[1])):
         _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype, stack is not None)
     _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype, stacks[2] is not None)
     if all(stack is not None for stack in stacks):
-        fused = kernels.fused_moe_cuda(
-            hidden_states, expert_routing_table, router_weights, *stacks, permuted_weights, activation,
-            experts_min,
-        )
-        if fused is not None:
-            return fused
+        return _run(hidden_states, expert_routing_table, router_weights, stacks[:2], stacks[2], permuted_weights,
+                    activation, experts_min, count, inter)
 
     def gate_up(index: int, x: torch.Tensor):
         return _linear(x, w1[index], permuted_weights), _linear(x, w2[index], permuted_weights)
@@ -303,17 +355,10 @@ def _check_fused(hidden_states, w12, w3, permuted: bool, count: int, stacks=(Non
     """Check the fused gate/up and down lists (`stacks`: their stacked views, if known); returns I."""
     _check_lengths({"w12": w12, "w3": w3}, count)
     hidden, dtype = hidden_states.shape[1], hidden_states.dtype
-    inter = _intermediate_size("w12", w12[0], hidden, permuted, parts=2)
+    inter = _intermediate_size("w12[0]", w12[0], hidden, permuted, parts=2)
     _check_list("w12", w12, _layout(2 * inter, hidden, permuted), dtype, stacks[0] is not None)
     _check_list("w3", w3, _layout(hidden, inter, permuted), dtype, stacks[1] is not None)
     return inter
-
-
-def _gate_and_up(stacked: torch.Tensor, inter: int, permuted: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up halves of a stacked fused weight ([E, 2I, H] permuted, else [E, H, 2I])."""
-    if permuted:
-        return stacked[:, :inter], stacked[:, inter:]
-    return stacked[..., :inter], stacked[..., inter:]
 
 
 def mixture_of_experts_fused_weights(
@@ -332,40 +377,77 @@ def mixture_of_experts_fused_weights(
     _check_routing(hidden_states, expert_routing_table, router_weights)
     count = _expert_count(experts_min, experts_max)
     _check_lengths({"w12": w12, "w3": w3}, count)
-    stacks = (_stacked_view(w12), _stacked_view(w3)) if hidden_states.is_cuda else (None, None)
+    stacks = (_stacked_view(w12), _stacked_view(w3))
     inter = _check_fused(hidden_states, w12, w3, permuted_weights, count, stacks)
     if stacks[0] is not None and stacks[1] is not None:
-        fused = kernels.fused_moe_cuda(
-            hidden_states,
-            expert_routing_table,
-            router_weights,
-            *_gate_and_up(stacks[0], inter, permuted_weights),
-            stacks[1],
-            permuted_weights,
-            activation,
-            experts_min,
-        )
-        if fused is not None:
-            return fused
-    grouped = _grouped_fused(
-        hidden_states,
-        expert_routing_table,
-        router_weights,
-        w12,
-        w3,
-        permuted_weights,
-        act,
-        experts_min,
-        count,
-    )
-    if grouped is not None:
-        return grouped
+        return _run(hidden_states, expert_routing_table, router_weights, stacks[:1], stacks[1], permuted_weights,
+                    activation, experts_min, count, inter)
 
     def gate_up(index: int, x: torch.Tensor):
         return _linear(x, w12[index], permuted_weights).chunk(2, dim=-1)
 
     expert = _swiglu_expert(gate_up, w3, act, permuted_weights)
     return _combine(hidden_states, expert_routing_table, router_weights, experts_min, count, expert)
+
+
+# The stacked overloads: the portable target's own (the Gaudi op has none). The rewrite hands them the
+# stacked parameter itself, so a call does no work per expert on the host: no list of views to build,
+# check or unpack, in eager as in the code inductor generates.
+
+
+def _stacked_arguments(overload: str, arguments: Sequence) -> tuple:
+    """Check a stacked overload's positional arguments; returns what `_run` takes."""
+    if overload == "stacked":
+        hidden_states, table, router_weights, w1, w2, w3, permuted, activation, experts_min, experts_max = arguments
+        gate_up, down, names = (w1, w2), w3, ("w1", "w2")
+    else:
+        hidden_states, table, router_weights, w12, w3, permuted, activation, experts_min, experts_max = arguments
+        gate_up, down, names = (w12,), w3, ("w12",)
+    activation_function(activation)
+    _check_routing(hidden_states, table, router_weights)
+    count = _expert_count(experts_min, experts_max)
+    hidden, dtype = hidden_states.shape[1], hidden_states.dtype
+    parts = 2 if len(gate_up) == 1 else 1
+    inter = _intermediate_size(f"{names[0]}[e]", gate_up[0].shape[1:], hidden, permuted, parts=parts)
+    for name, stack in zip(names, gate_up, strict=True):
+        _check_stack(name, stack, count, _layout(parts * inter, hidden, permuted), dtype)
+    _check_stack("w3", down, count, _layout(hidden, inter, permuted), dtype)
+    return hidden_states, table, router_weights, gate_up, down, permuted, activation, experts_min, count, inter
+
+
+def mixture_of_experts_stacked(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    """`.stacked`: `.default` with each weight role stacked [E, ...] instead of listed per expert."""
+    return _run(*_stacked_arguments("stacked", (
+        hidden_states, expert_routing_table, router_weights, w1, w2, w3, permuted_weights, activation,
+        experts_min, experts_max)))
+
+
+def mixture_of_experts_stacked_fused_weights(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: torch.Tensor,
+    w3: torch.Tensor,
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    """`.stacked_fused_weights`: `.fused_weights` with stacked [E, ...] gate/up and down weights."""
+    return _run(*_stacked_arguments("stacked_fused_weights", (
+        hidden_states, expert_routing_table, router_weights, w12, w3, permuted_weights, activation,
+        experts_min, experts_max)))
 
 
 def mixture_of_experts_bias_fused_weights(
@@ -410,6 +492,8 @@ IMPLEMENTATIONS = {
     "default": mixture_of_experts,
     "fused_weights": mixture_of_experts_fused_weights,
     "bias_fused_weights": mixture_of_experts_bias_fused_weights,
+    "stacked": mixture_of_experts_stacked,
+    "stacked_fused_weights": mixture_of_experts_stacked_fused_weights,
 }
 
 
@@ -422,6 +506,39 @@ def _fake(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return hidden_states.new_empty(hidden_states.shape)
 
 
+def _trace_into_kernel(mode, func, types, args, kwargs):
+    """AOTAutograd's functionalization of a stacked overload: on CUDA, its Triton launches.
+
+    Registered as the overloads' FunctionalTensorMode rule (what `torch.library.triton_op` does for the
+    ops it defines), so inductor receives the allocations and `wrap_triton` kernel launches instead of
+    an opaque call, and launches the kernels from its generated code. Anything the kernel does not
+    cover (CPU, float32, tensor subclasses) stays the opaque op.
+    """
+    plain = all(issubclass(t, (torch._subclasses.FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
+    if plain and not kwargs:
+        hidden_states, table, router_weights, gate_up, down, permuted, activation, experts_min, count, inter = (
+            _stacked_arguments(func._overloadname, args)
+        )
+        gate, up = _gate_and_up(gate_up[0], inter, permuted) if len(gate_up) == 1 else gate_up
+        if kernels.kernel_applies(hidden_states, activation, gate, up):
+            with mode:
+                return kernels.traced_fused_moe(
+                    hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min
+                )
+    return mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _register_kernel_tracing(library: torch.library.Library) -> bool:
+    """Give inductor the stacked overloads' Triton launches where this torch can (feature-detected)."""
+    if not kernels.wrap_triton_available():
+        return False
+    for overload in STACKED_SCHEMAS:
+        torch.library.register_torch_dispatch(
+            f"{NAMESPACE}::mixture_of_experts.{overload}", FunctionalTensorMode, _trace_into_kernel, lib=library
+        )
+    return True
+
+
 def _is_defined(overload: str = "") -> bool:
     try:
         torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::mixture_of_experts", overload)
@@ -431,16 +548,20 @@ def _is_defined(overload: str = "") -> bool:
 
 
 def _register() -> torch.library.Library | None:
-    """Define the three overloads with CPU and CUDA kernels and fake kernels, once per process."""
+    """Define the overloads with CPU and CUDA kernels and fake kernels, once per process.
+
+    The stacked overloads also get inductor's view of the Triton kernel (`_trace_into_kernel`).
+    """
     if _is_defined():
         return None  # another copy of this module already owns the definition
     library = torch.library.Library(NAMESPACE, "DEF")
-    for overload, schema in SCHEMAS.items():
+    for overload, schema in {**SCHEMAS, **STACKED_SCHEMAS}.items():
         library.define(schema)
         name = "mixture_of_experts" + ("" if overload == "default" else f".{overload}")
         for device in ("CPU", "CUDA"):
             library.impl(name, IMPLEMENTATIONS[overload], device)
         torch.library.register_fake(f"{NAMESPACE}::{name}", _fake, lib=library)
+    _register_kernel_tracing(library)
     return library
 
 

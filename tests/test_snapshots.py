@@ -43,13 +43,11 @@ graph(in0, in1, in2, in3, in4, in5):
   %9 = aten.sum.dim_IntList(%7, [-1], True)
   %10 = aten.div.Tensor(%7, %9)
   %11 = aten.reshape(%1, [-1, 16])
-  %12 = aten.unbind.int(in4, 0)
-  %13 = aten.unbind.int(in5, 0)
-  %14 = moe_passes.mixture_of_experts.fused_weights(%11, %8, %10, %12[0:4], %13[0:4], True, 'silu', 0, 3)
-  %15 = aten.reshape(%14, [1, 6, 16])
-  %16 = aten.reshape(%15, [1, 6, 16])
-  %17 = aten.add.Tensor(in2, %16)
-  return [%17]""",
+  %12 = moe_passes.mixture_of_experts.stacked_fused_weights(%11, %8, %10, in4, in5, True, 'silu', 0, 3)
+  %13 = aten.reshape(%12, [1, 6, 16])
+  %14 = aten.reshape(%13, [1, 6, 16])
+  %15 = aten.add.Tensor(in2, %14)
+  return [%15]""",
         )
 
     def test_modulelist_dense_mask(self):
@@ -93,12 +91,10 @@ graph(in0, in1, in2, in3, in4, in5):
   %10 = aten.sum.dim_IntList(%8, [-1], True)
   %11 = aten.div.Tensor(%8, %10)
   %12 = aten._to_copy(%11, dtype=bfloat16)
-  %13 = aten.unbind.int(in4, 0)
-  %14 = aten.unbind.int(in5, 0)
-  %15 = moe_passes.mixture_of_experts.fused_weights(%2, %9, %12, %13[0:4], %14[0:4], True, 'silu', 0, 3)
-  %16 = aten.reshape(%15, [1, 6, 16])
-  %17 = aten.add.Tensor(in2, %16)
-  return [%17]""",
+  %13 = moe_passes.mixture_of_experts.stacked_fused_weights(%2, %9, %12, in4, in5, True, 'silu', 0, 3)
+  %14 = aten.reshape(%13, [1, 6, 16])
+  %15 = aten.add.Tensor(in2, %14)
+  return [%15]""",
         )
 
     def test_hf_batched_mm(self):
@@ -117,12 +113,10 @@ graph(in0, in1, in2, in3, in4, in5):
   %8 = getitem(%6, 1)
   %9 = aten.sum.dim_IntList(%7, [-1], True)
   %10 = aten.div.Tensor(%7, %9)
-  %11 = aten.unbind.int(in4, 0)
-  %12 = aten.unbind.int(in5, 0)
-  %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
-  %14 = aten.reshape(%13, [1, 6, 16])
-  %15 = aten.add.Tensor(in2, %14)
-  return [%15]""",
+  %11 = moe_passes.mixture_of_experts.stacked_fused_weights(%2, %8, %10, in4, in5, True, 'silu', 0, 3)
+  %12 = aten.reshape(%11, [1, 6, 16])
+  %13 = aten.add.Tensor(in2, %12)
+  return [%13]""",
         )
 
     def test_topk_softmax_routing_feeds_the_fused_call(self):
@@ -137,9 +131,7 @@ graph(in0, in1, in2, in3):
   %3 = getitem(%2, 0)
   %4 = getitem(%2, 1)
   %5 = aten._softmax(%3, -1, False)
-  %6 = aten.unbind.int(in2, 0)
-  %7 = aten.unbind.int(in3, 0)
-  %8 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %5, %6[0:4], %7[0:4], True, 'silu', 0, 3)""",
+  %6 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %4, %5, in2, in3, True, 'silu', 0, 3)""",
         )
 
     def test_hf4_sparse_loop(self):
@@ -194,7 +186,7 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7):
 
     def test_aria4_offset_segments(self):
         """Cumsum offsets, outputs written over their rows twice around silu(first) * second: one
-        `fused_weights` call on the stacked [E, in, out] fc1 and fc2."""
+        `stacked_fused_weights` call on the stacked [E, in, out] fc1 and fc2."""
         skip_unless_dynamo_slices_for("aria4_offset_segments")
         self.assertExpectedInline(
             format_fused_calls(rewritten_graph("aria4_offset_segments", num_experts=2)),
@@ -206,9 +198,7 @@ graph(in0, in1, in2, in3):
   %3 = getitem(%2, 0)
   %4 = getitem(%2, 1)
   %5 = aten._softmax(%3, -1, False)
-  %6 = aten.unbind.int(in2, 0)
-  %7 = aten.unbind.int(in3, 0)
-  %8 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %5, %6[0:2], %7[0:2], False, 'silu', 0, 1)""",
+  %6 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %4, %5, in2, in3, False, 'silu', 0, 1)""",
         )
 
     def test_mixtral4_sparse_loop_passes_w3_as_up_and_w2_as_down(self):
@@ -264,13 +254,10 @@ graph(in0, in1, in2, in3, in4, in5, in6):
   %8 = getitem(%7, 0)
   %9 = getitem(%7, 1)
   %10 = aten._to_copy(%8, dtype=bfloat16)
-  %11 = aten.unbind.int(in4, 0)
-  %12 = aten.unbind.int(in5, 0)
-  %13 = aten.unbind.int(in6, 0)
-  %14 = moe_passes.mixture_of_experts(%2, %9, %10, %11[0:4], %12[0:4], %13[0:4], True, 'silu', 0, 3)
-  %15 = aten.reshape(%14, [1, 6, 16])
-  %16 = aten.add.Tensor(in2, %15)
-  return [%16]""")
+  %11 = moe_passes.mixture_of_experts.stacked(%2, %9, %10, in4, in5, in6, True, 'silu', 0, 3)
+  %12 = aten.reshape(%11, [1, 6, 16])
+  %13 = aten.add.Tensor(in2, %12)
+  return [%13]""")
 
     def test_gpt_fast_gathered_einsum(self):
         """gpt-fast's w[ids] einsums (views, permutes and bmms in the graph): one default call."""
@@ -287,13 +274,10 @@ graph(in0, in1, in2, in3, in4, in5, in6):
   %8 = getitem(%6, 1)
   %9 = aten.sum.dim_IntList(%7, [-1], True)
   %10 = aten.div.Tensor(%7, %9)
-  %11 = aten.unbind.int(in4, 0)
-  %12 = aten.unbind.int(in5, 0)
-  %13 = aten.unbind.int(in6, 0)
-  %14 = moe_passes.mixture_of_experts(%2, %8, %10, %11[0:4], %12[0:4], %13[0:4], True, 'silu', 0, 3)
-  %15 = aten.reshape(%14, [1, 6, 16])
-  %16 = aten.add.Tensor(in2, %15)
-  return [%16]""")
+  %11 = moe_passes.mixture_of_experts.stacked(%2, %8, %10, in4, in5, in6, True, 'silu', 0, 3)
+  %12 = aten.reshape(%11, [1, 6, 16])
+  %13 = aten.add.Tensor(in2, %12)
+  return [%13]""")
 
     def test_sglang_native_einsum(self):
         """SGLang's chunked w13[ids] einsums: one fused_weights call with w13 as the kernel's w12."""
@@ -310,12 +294,10 @@ graph(in0, in1, in2, in3, in4, in5):
   %8 = getitem(%6, 1)
   %9 = aten.sum.dim_IntList(%7, [-1], True)
   %10 = aten.div.Tensor(%7, %9)
-  %11 = aten.unbind.int(in4, 0)
-  %12 = aten.unbind.int(in5, 0)
-  %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
-  %14 = aten.reshape(%13, [1, 6, 16])
-  %15 = aten.add.Tensor(in2, %14)
-  return [%15]""")
+  %11 = moe_passes.mixture_of_experts.stacked_fused_weights(%2, %8, %10, in4, in5, True, 'silu', 0, 3)
+  %12 = aten.reshape(%11, [1, 6, 16])
+  %13 = aten.add.Tensor(in2, %12)
+  return [%13]""")
 
     def test_megatron_sequential_mlp(self):
         """Megatron's expert-major cell permutation, host-side split and scatter_add: one fused_weights call;
@@ -354,12 +336,10 @@ graph(in0, in1, in2, in3, in4, in5):
   %10 = aten.sum.dim_IntList(%8, [-1], True)
   %11 = aten.div.Tensor(%8, %10)
   %12 = aten._to_copy(%11, dtype=bfloat16)
-  %13 = aten.unbind.int(in4, 0)
-  %14 = aten.unbind.int(in5, 0)
-  %15 = moe_passes.mixture_of_experts.fused_weights(%2, %9, %12, %13[0:4], %14[0:4], True, 'silu', 0, 3)
-  %16 = aten.reshape(%15, [1, 6, 16])
-  %17 = aten.add.Tensor(in2, %16)
-  return [%17]""")
+  %13 = moe_passes.mixture_of_experts.stacked_fused_weights(%2, %9, %12, in4, in5, True, 'silu', 0, 3)
+  %14 = aten.reshape(%13, [1, 6, 16])
+  %15 = aten.add.Tensor(in2, %14)
+  return [%15]""")
 
     def test_hf517_batched_mm_id_clamp_is_gone(self):
         self.assertExpectedInline(format_fused_calls(rewritten_graph("hf517_batched_mm")), """\
@@ -371,9 +351,7 @@ graph(in0, in1, in2, in3):
   %4 = getitem(%2, 1)
   %5 = aten.sum.dim_IntList(%3, [-1], True)
   %6 = aten.div.Tensor(%3, %5)
-  %7 = aten.unbind.int(in2, 0)
-  %8 = aten.unbind.int(in3, 0)
-  %9 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %6, %7[0:4], %8[0:4], True, 'silu', 0, 3)""")
+  %7 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %4, %6, in2, in3, True, 'silu', 0, 3)""")
 
     def test_hf_transposed_experts(self):
         self.assertExpectedInline(
@@ -387,9 +365,7 @@ graph(in0, in1, in2, in3):
   %4 = getitem(%2, 1)
   %5 = aten.sum.dim_IntList(%3, [-1], True)
   %6 = aten.div.Tensor(%3, %5)
-  %7 = aten.unbind.int(in2, 0)
-  %8 = aten.unbind.int(in3, 0)
-  %9 = moe_passes.mixture_of_experts.fused_weights(%1, %4, %6, %7[0:4], %8[0:4], False, 'silu', 0, 3)""",
+  %7 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %4, %6, in2, in3, False, 'silu', 0, 3)""",
         )
 
     def test_gpt_oss_experts(self):
@@ -458,25 +434,23 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9):
   %8 = getitem(%6, 1)
   %9 = aten.sum.dim_IntList(%7, [-1], True)
   %10 = aten.div.Tensor(%7, %9)
-  %11 = aten.unbind.int(in4, 0)
-  %12 = aten.unbind.int(in5, 0)
-  %13 = moe_passes.mixture_of_experts.fused_weights(%2, %8, %10, %11[0:4], %12[0:4], True, 'silu', 0, 3)
-  %14 = aten.t(in6)
-  %15 = aten.mm(%2, %14)
-  %16 = aten.sigmoid(%15)
-  %17 = aten.t(in7)
-  %18 = aten.mm(%2, %17)
-  %19 = aten.silu(%18)
-  %20 = aten.t(in8)
-  %21 = aten.mm(%2, %20)
-  %22 = aten.mul.Tensor(%19, %21)
-  %23 = aten.t(in9)
-  %24 = aten.mm(%22, %23)
-  %25 = aten.mul.Tensor(%16, %24)
-  %26 = aten.add.Tensor(%13, %25)
-  %27 = aten.reshape(%26, [1, 6, 16])
-  %28 = aten.add.Tensor(in2, %27)
-  return [%28]""",
+  %11 = moe_passes.mixture_of_experts.stacked_fused_weights(%2, %8, %10, in4, in5, True, 'silu', 0, 3)
+  %12 = aten.t(in6)
+  %13 = aten.mm(%2, %12)
+  %14 = aten.sigmoid(%13)
+  %15 = aten.t(in7)
+  %16 = aten.mm(%2, %15)
+  %17 = aten.silu(%16)
+  %18 = aten.t(in8)
+  %19 = aten.mm(%2, %18)
+  %20 = aten.mul.Tensor(%17, %19)
+  %21 = aten.t(in9)
+  %22 = aten.mm(%20, %21)
+  %23 = aten.mul.Tensor(%14, %22)
+  %24 = aten.add.Tensor(%11, %23)
+  %25 = aten.reshape(%24, [1, 6, 16])
+  %26 = aten.add.Tensor(in2, %25)
+  return [%26]""",
         )
 
     def test_deepseek_v3_routing(self):
@@ -490,9 +464,7 @@ graph(in0, in1, in2, in3, in4, in5):
   %3 = getitem(%2, 1)
   %4 = aten.div.Tensor(in2, in3)
   %5 = aten.mul.Tensor(%4, 2.5)
-  %6 = aten.unbind.int(in4, 0)
-  %7 = aten.unbind.int(in5, 0)
-  %8 = moe_passes.mixture_of_experts.fused_weights(%1, %3, %5, %6[0:4], %7[0:4], True, 'silu', 0, 3)""",
+  %6 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %3, %5, in4, in5, True, 'silu', 0, 3)""",
         )
 
     def test_near_miss_is_left_as_captured(self):

@@ -39,6 +39,19 @@ def kernel_applies(hidden_states: torch.Tensor, activation: str, gate: torch.Ten
     )
 
 
+def wrap_triton_available() -> bool:
+    """Whether this torch lets a custom op's Triton launches be traced (torch.library.wrap_triton, 2.6+)."""
+    return hasattr(torch.library, "wrap_triton") and hasattr(torch.library, "register_torch_dispatch")
+
+
+def traced_fused_moe(hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min):
+    """The kernel's allocations and launches as traceable ops (`wrap_triton`), for inductor to compile."""
+    return triton_kernels().fused_moe(
+        hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min,
+        launch=torch.library.wrap_triton,
+    )
+
+
 def fused_moe_cuda(hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min):
     """The op's result from the fused Triton kernel, or None when the kernel does not apply."""
     if not kernel_applies(hidden_states, activation, gate, up):
@@ -48,4 +61,7 @@ def fused_moe_cuda(hidden_states, table, router_weights, gate, up, down, permute
     )
 
 
-__all__ = ["MoEConfig", "TileConfig", "choose_config", "fused_moe_cuda", "kernel_applies", "triton_kernels"]
+__all__ = [
+    "MoEConfig", "TileConfig", "choose_config", "fused_moe_cuda", "kernel_applies", "traced_fused_moe",
+    "triton_kernels", "wrap_triton_available",
+]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -58,6 +60,7 @@ def padded_capacity(pairs: int, experts: int, block_m: int) -> int:
     """Rows the expert-sorted, block-padded layout may need: each non-empty expert wastes < block_m rows.
 
     At most min(pairs, experts) experts are non-empty, so this bound needs no look at the routing (and
-    no host sync).
+    no host sync). `torch.sym_min`: `pairs` is symbolic when inductor traces the kernel, and a plain
+    `min` would add a guard (and a recompile) on it.
     """
-    return pairs + min(pairs, experts) * (block_m - 1)
+    return pairs + torch.sym_min(pairs, experts) * (block_m - 1)

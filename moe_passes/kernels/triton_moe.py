@@ -204,8 +204,16 @@ def _combine_kernel(
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int):
-    """The block-padded, expert-sorted layout of `table` (see align.py), built on the device."""
+def _direct(kernel):
+    return kernel
+
+
+def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int, launch=_direct):
+    """The block-padded, expert-sorted layout of `table` (see align.py), built on the device.
+
+    Sizes may be symbolic (when inductor traces the launches), so nothing here branches on them but the
+    one-chunk shortcut.
+    """
     flat = table.reshape(-1)
     pairs = flat.numel()
     blocks = block_count(pairs, experts, block_m)
@@ -215,13 +223,13 @@ def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int):
     used = torch.empty(1, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(experts + 1)
-    _align_counts[(1,)](
+    launch(_align_counts)[(1,)](
         flat, cursor, block_expert, used, sorted_pairs, pairs, experts_min, experts, blocks,
         BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK, BLOCK_CHUNK=max(1, min(64, 8192 // bins)),
         SCATTER=pairs <= ALIGN_CHUNK, num_warps=8,
     )
     if pairs > ALIGN_CHUNK:
-        _align_scatter[(triton.cdiv(pairs, ALIGN_CHUNK),)](
+        launch(_align_scatter)[(triton.cdiv(pairs, ALIGN_CHUNK),)](
             flat, cursor, sorted_pairs, pairs, experts_min, experts, CHUNK=ALIGN_CHUNK, num_warps=4
         )
     return sorted_pairs, block_expert, used
@@ -244,8 +252,13 @@ def fused_moe(
     activation: str,
     experts_min: int,
     config: MoEConfig | None = None,
+    launch=_direct,
 ) -> torch.Tensor:
-    """The op's result for stacked gate/up/down views ([E, out, in] if permuted, else [E, in, out])."""
+    """The op's result for stacked gate/up/down views ([E, out, in] if permuted, else [E, in, out]).
+
+    `launch` wraps each kernel before its launch: `torch.library.wrap_triton` when inductor traces the
+    call (then every size may be symbolic), else the kernel itself.
+    """
     tokens, hidden = hidden_states.shape
     experts = gate.shape[0]
     inter = gate.shape[1] if permuted else gate.shape[2]
@@ -256,7 +269,7 @@ def fused_moe(
         return out
     config = config or choose_config(pairs, experts)
     table = table.contiguous()
-    sorted_pairs, block_expert, used = align(table, experts_min, experts, config.block_m)
+    sorted_pairs, block_expert, used = align(table, experts_min, experts, config.block_m, launch)
     num_pid_m = block_expert.numel()
     x = hidden_states
     cg, cd = config.gate_up, config.down
@@ -265,7 +278,7 @@ def fused_moe(
     if up.stride() != gate.stride():
         raise ValueError("gate and up stacks must share strides")
     grid = (num_pid_m * triton.cdiv(inter, cg.block_n),)
-    _gate_up_kernel[grid](
+    launch(_gate_up_kernel)[grid](
         x, gate, up, intermediate, sorted_pairs, block_expert, used,
         pairs, top_k, hidden, inter, num_pid_m,
         x.stride(0), x.stride(1), se, sk, sn, intermediate.stride(0),
@@ -276,7 +289,7 @@ def fused_moe(
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     se, sk, sn = _weight_strides(down, permuted)
     grid = (num_pid_m * triton.cdiv(hidden, cd.block_n),)
-    _down_kernel[grid](
+    launch(_down_kernel)[grid](
         intermediate, down, y, sorted_pairs, block_expert, used,
         pairs, inter, hidden, num_pid_m,
         intermediate.stride(0), se, sk, sn, y.stride(0),
@@ -284,7 +297,7 @@ def fused_moe(
         EVEN_K=inter % cd.block_k == 0, num_warps=cd.num_warps, num_stages=cd.num_stages,
     )
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+    launch(_combine_kernel)[(tokens, triton.cdiv(hidden, block_h))](
         y, table, router_weights.contiguous(), out, hidden, experts_min, experts,
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
     )

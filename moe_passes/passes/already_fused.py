@@ -20,7 +20,7 @@ class ExistingCall:
 
     node: Node
     overload: str  # "hpu::mixture_of_experts.default"
-    num_experts: int | None  # length of the first weight list, when it is one
+    num_experts: int | None  # experts of the first weight list (or stack), when known
     experts_min: int | None
     experts_max: int | None
 
@@ -33,6 +33,16 @@ def _is_kernel(target) -> bool:
     )
 
 
+def _expert_count(weights) -> int | None:
+    """Experts held: a weight list's length, or a stacked weight's first size (the stacked overloads)."""
+    if isinstance(weights, list | tuple):
+        return len(weights)
+    if isinstance(weights, Node) and isinstance(weights.meta.get("val"), torch.Tensor):
+        size = weights.meta["val"].shape[0]
+        return size if isinstance(size, int) else None
+    return None
+
+
 def find(graph: torch.fx.Graph) -> list[ExistingCall]:
     calls = []
     for node in graph.nodes:
@@ -43,12 +53,12 @@ def find(graph: torch.fx.Graph) -> list[ExistingCall]:
             node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True
         )
         kwargs = named.kwargs if named is not None else {}
-        weights = next((kwargs[k] for k in ("w1", "w12") if isinstance(kwargs.get(k), list | tuple)), None)
+        num_experts = _expert_count(next((kwargs[k] for k in ("w1", "w12") if k in kwargs), None))
         calls.append(
             ExistingCall(
                 node=node,
                 overload=f"{node.target.namespace}::mixture_of_experts.{node.target._overloadname}",
-                num_experts=len(weights) if weights is not None else None,
+                num_experts=num_experts,
                 experts_min=kwargs.get("experts_min") if isinstance(kwargs.get("experts_min"), int) else None,
                 experts_max=kwargs.get("experts_max") if isinstance(kwargs.get("experts_max"), int) else None,
             )

@@ -58,6 +58,13 @@ def _weight_list(emit: _Emitter, weights: ExpertWeights, want_out_in: bool) -> l
     return nodes
 
 
+def _weight_stack(emit: _Emitter, weights: ExpertWeights, want_out_in: bool) -> Node:
+    """The stacked [E, ., .] weight, laid out [E, out, in] when `want_out_in` (a view, never a copy)."""
+    if weights.out_in != want_out_in:
+        return emit.call(aten.transpose.int, (weights.stacked, -2, -1))
+    return weights.stacked
+
+
 def _as_2d(emit: _Emitter, node: Node, last: int) -> Node:
     if len(shape(node)) == 2:
         return node
@@ -99,12 +106,18 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         ids = _cast(emit, _as_2d(emit, match.ids, match.top_k), torch.int64)
         weights = _cast(emit, _as_2d(emit, match.weights, match.top_k), dtype(x))
         values = {"hidden_states": x, "expert_routing_table": ids, "router_weights": weights}
-        if match.gate_up is not None:
-            values["w12"] = _weight_list(emit, match.gate_up, permuted)
+        overload = match.overload
+        stacked = lowering.stacked_overload(target, overload)
+        if stacked is not None and all(r.stacked is not None for r in roles):
+            overload, pass_weights = stacked, _weight_stack  # no per-expert views for the call to unpack
         else:
-            values["w1"] = _weight_list(emit, match.gate, permuted)
-            values["w2"] = _weight_list(emit, match.up, permuted)
-        values["w3"] = _weight_list(emit, match.down, permuted)
+            pass_weights = _weight_list
+        if match.gate_up is not None:
+            values["w12"] = pass_weights(emit, match.gate_up, permuted)
+        else:
+            values["w1"] = pass_weights(emit, match.gate, permuted)
+            values["w2"] = pass_weights(emit, match.up, permuted)
+        values["w3"] = pass_weights(emit, match.down, permuted)
         if match.gate_up_bias is not None:  # bias_fused_weights: biases are 1-D, never transposed
             values["w12_bias"] = _weight_list(emit, match.gate_up_bias, match.gate_up_bias.out_in)
             values["w3_bias"] = _weight_list(emit, match.down_bias, match.down_bias.out_in)
@@ -117,7 +130,7 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         )
         if match.router_experts is not None:  # newer Gaudi bridges take the global expert count
             values["total_experts"] = match.router_experts
-        op = lowering.fused_overload(target, match.overload)
+        op = lowering.fused_overload(target, overload)
         args, kwargs = lowering.call_arguments(op, values)
         fused = graph.call_function(op, args, kwargs)  # the one node the region becomes
         with fake_mode:
