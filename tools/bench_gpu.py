@@ -1,14 +1,17 @@
-"""One MoE layer on the GPU: the original forms against `hpu_moe` with the portable op, and the limit.
+"""One MoE layer on the GPU: the original forms against `hpu_moe` on each of them, and the limit.
 
 Mixtral-8x7B sizes (H 4096, I 14336, E 8, top-2) and Qwen3-30B-A3B sizes (H 2048, I 768, E 128, top-8),
-bfloat16, tokens T in {1, 16, 128, 1024, 8192}. Original forms: the transformers block with its
-`experts_implementation` "eager" (loop over hit experts, not compiled), "grouped_mm" and "batched_mm"
-under inductor, and the static dense loop (`patterns/static_dense_loop.py`, same weights and router)
-under inductor. Rewritten: the transformers grouped_mm block compiled with `hpu_moe` (inner inductor,
-portable target), whose MoE becomes one `torch.ops.moe_passes.mixture_of_experts` call. The limit is
-max(routed expert weight bytes / HBM bandwidth, FLOPs / bf16 matmul throughput), both ceilings measured
-in this run. Each time is the median over calls timed with CUDA events, inputs rotated so routing (and
-so the weights read) change every call.
+bfloat16, tokens T in {1, 16, 128, 1024, 8192}, one set of weights and one router for every form:
+- the transformers block with its `experts_implementation` "eager" (loop over hit experts, not
+  compiled), "grouped_mm" and "batched_mm";
+- the static dense loop over stacked weights (`patterns/static_dense_loop.py`);
+- the grouped_mm form on stacks stored transposed ([E, H, 2I], [E, I, H]);
+- a ModuleList of per-expert Linears run on their routed tokens (`patterns/mixtral4_sparse_loop.py`).
+Each compiled form runs under inductor ("<form>+inductor") and under `hpu_moe` with the portable target
+and inner inductor ("hpu_moe[<form>]"), where the layer becomes one `torch.ops.moe_passes.mixture_of_experts`
+call. The limit is max(routed expert weight bytes / HBM bandwidth, FLOPs / bf16 matmul throughput),
+both ceilings measured in this run. Each time is the median over calls timed with CUDA events, inputs
+rotated so routing (and so the weights read) change every call.
 
     python tools/bench_gpu.py --json docs/bench/gpu.json --plot docs/bench/gpu.png --markdown docs/bench/gpu.md
 """
@@ -28,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import moe_passes  # noqa: E402
-from patterns import static_dense_loop  # noqa: E402
+from patterns import hf_grouped_mm, mixtral4_sparse_loop, static_dense_loop  # noqa: E402
 from patterns._common import settings  # noqa: E402
+from patterns._sparse_loop import SparseLoopMoE  # noqa: E402
+from patterns._stacked_experts import SparseMoeBlock  # noqa: E402
 from tools.bench_kernel import limit_ms, measure_ceilings, time_ms  # noqa: E402
 
 MODELS = {
@@ -37,8 +42,9 @@ MODELS = {
     "Qwen3-30B-A3B": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
 }
 TOKENS = (1, 16, 128, 1024, 8192)
-ORIGINAL = ("eager loop", "grouped_mm+inductor", "batched_mm+inductor", "static loop+inductor")
-REWRITTEN = "hpu_moe+inductor"
+COMPILED = ("grouped_mm", "batched_mm", "static loop", "transposed", "ModuleList loop")
+ORIGINAL = ("eager loop", *(f"{form}+inductor" for form in COMPILED))
+REWRITTEN = tuple(f"hpu_moe[{form}]" for form in COMPILED)
 ROTATE = 4
 DEVICE = "cuda"
 GATHER_LIMIT_BYTES = 16 << 30  # batched_mm copies each routed expert's weights per (token, slot)
@@ -90,43 +96,70 @@ def build(name: str, sizes: dict):
     static.load_state_dict({"router.gate.weight": state["gate.weight"], "w13_weight": state["experts.gate_up_proj"],
                             "w2_weight": state["experts.down_proj"]}, assign=True)
     blocks["static loop"] = static.eval()
+    with torch.device("meta"):
+        transposed = SparseMoeBlock(cfg, transposed_grouped_forward, is_transposed=True)
+    transposed.load_state_dict({"gate.gate.weight": state["gate.weight"],
+                                "experts.gate_up_proj": state["experts.gate_up_proj"].transpose(1, 2).contiguous(),
+                                "experts.down_proj": state["experts.down_proj"].transpose(1, 2).contiguous()},
+                               assign=True)
+    blocks["transposed"] = transposed.eval()
+    make_expert = lambda c: mixtral4_sparse_loop.MixtralExpert(c["hidden"], c["intermediate"])  # noqa: E731
+    with torch.device("meta"):
+        listed = SparseLoopMoE(cfg, make_expert)
+    gate_up, down = state["experts.gate_up_proj"], state["experts.down_proj"]
+    listed_state = {"router.gate.weight": state["gate.weight"]}
+    for e in range(sizes["experts"]):  # separate allocations per expert, as a ModuleList of Linears holds them
+        listed_state[f"experts.{e}.w1.weight"] = gate_up[e, :i].clone()
+        listed_state[f"experts.{e}.w3.weight"] = gate_up[e, i:].clone()
+        listed_state[f"experts.{e}.w2.weight"] = down[e].clone()
+    listed.load_state_dict(listed_state, assign=True)
+    blocks["ModuleList loop"] = listed.eval()
     return blocks
 
 
-def variants(blocks: dict, source: str, mode: str) -> dict:
-    """`mode` "reduce-overhead" replays CUDA graphs (inductor's cudagraph trees): no host work per call."""
+def transposed_grouped_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The grouped_mm experts forward on stacks stored [E, H, 2I] and [E, I, H] (no transpose to apply)."""
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    offsets = torch.cumsum(hf_grouped_mm._tokens_per_expert(expert_ids, self.num_experts), 0, dtype=torch.int32)
+    out = hf_grouped_mm._grouped_mm(hidden_states[perm // num_top_k], self.gate_up_proj, offsets)
+    out = hf_grouped_mm._grouped_mm(self.apply_gate(out), self.down_proj, offsets)
+    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    per_slot = torch.empty_like(weighted).index_copy_(0, perm, weighted)
+    return per_slot.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def variants(blocks: dict, fused_forms, mode: str) -> dict:
+    """Every timed variant. `mode` "reduce-overhead" replays CUDA graphs (inductor's cudagraph trees)."""
     inductor = lambda m: torch.compile(m, backend="inductor", mode=mode)  # noqa: E731
     if mode == "reduce-overhead":  # torch.compile takes mode or options: hpu_moe's defaults are inductor+portable
-        rewritten = torch.compile(blocks[source], backend=moe_passes.hpu_moe, mode=mode)
+        rewrite = lambda m: torch.compile(m, backend=moe_passes.hpu_moe, mode=mode)  # noqa: E731
     else:
-        rewritten = torch.compile(
-            blocks[source], backend=moe_passes.hpu_moe, options={"inner": "inductor", "target": "portable"}
-        )
-    return {
-        "eager loop": blocks["eager loop"],
-        "grouped_mm+inductor": inductor(blocks["grouped_mm"]),
-        "batched_mm+inductor": inductor(blocks["batched_mm"]),
-        "static loop+inductor": inductor(blocks["static loop"]),
-        REWRITTEN: rewritten,
-    }
+        rewrite = lambda m: torch.compile(m, backend=moe_passes.hpu_moe,  # noqa: E731
+                                          options={"inner": "inductor", "target": "portable"})
+    fns = {"eager loop": blocks["eager loop"]}
+    fns.update({f"{form}+inductor": inductor(blocks[form]) for form in COMPILED})
+    fns.update({f"hpu_moe[{form}]": rewrite(blocks[form]) for form in fused_forms})
+    return fns
 
 
 def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float, mode: str) -> list[dict]:
     blocks = build(name, sizes)
-    source = None
-    with torch.no_grad():  # the first original form the installed transformers lets hpu_moe fuse
+    fused_forms = []
+    with torch.no_grad():  # the forms hpu_moe fuses with the installed transformers (all, expectedly)
         x = torch.randn(1, 16, sizes["hidden"], device=DEVICE, dtype=torch.bfloat16)
-        for form in ("grouped_mm", "batched_mm", "static loop"):
+        for form in COMPILED:
             torch._dynamo.reset()
             report = moe_passes.explain(blocks[form], x, options={"inner": "eager", "target": "portable"})
             print(f"{name} {form}: hpu_moe fused {len(report.fused)} layer(s) "
                   + "; ".join(f"{f.form} -> {f.overload}" for f in report.fused)
                   + "; ".join(f"declined {d.form}: {d.reason}" for d in report.declined), flush=True)
-            if len(report.fused) == 1 and source is None:
-                source = form
-    assert source is not None, "hpu_moe fused none of the forms"
+            if len(report.fused) == 1:
+                fused_forms.append(form)
+    assert fused_forms, "hpu_moe fused none of the forms"
     torch._dynamo.reset()
-    fns = variants(blocks, source, mode)
+    fns = variants(blocks, fused_forms, mode)
     rows = []
     for tokens in tokens_list:
         g = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -135,13 +168,13 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
         gate = blocks["grouped_mm"].gate.weight.float()
         with torch.no_grad():  # the routing each input gets (softmax keeps the order of the logits)
             ids = [torch.topk(x.reshape(tokens, -1).float() @ gate.T, sizes["top_k"], -1).indices for (x,) in inputs]
-        row = {"model": name, "tokens": tokens, "hpu_moe source": source,
+        row = {"model": name, "tokens": tokens, "hpu_moe forms": fused_forms,
                "limit_ms": limit_ms(ids, sizes["hidden"], sizes["intermediate"], sizes["top_k"], ceilings)}
         with torch.no_grad():
             expected = blocks["eager loop"](*inputs[0]).float()
             for form, fn in fns.items():
                 gathered = tokens * sizes["top_k"] * 3 * sizes["hidden"] * sizes["intermediate"] * 2
-                if form.startswith("batched_mm") and gathered > GATHER_LIMIT_BYTES:
+                if "batched_mm" in form and "hpu_moe" not in form and gathered > GATHER_LIMIT_BYTES:
                     row[form] = None
                     row[form + " note"] = f"not run: gathers {gathered / 2**30:.0f} GiB of weights"
                     continue
@@ -155,30 +188,42 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
                 row[form + " error"] = ((out - expected).norm() / expected.norm()).item()
                 reps = 20 if first < 0.5 else 5
                 row[form] = time_ms(fn, inputs, reps=reps, warmup=2)
-        originals = [row[f] for f in ORIGINAL if row.get(f)]
-        row["best original"] = min(originals)
-        row["best original form"] = min((row[f], f) for f in ORIGINAL if row.get(f))[1]
+        row["best original"], row["best original form"] = min((row[f], f) for f in ORIGINAL if row.get(f))
+        rewritten = [(row[f], f) for f in REWRITTEN if row.get(f)]
+        if rewritten:
+            (row["best hpu_moe"], row["best hpu_moe form"]), (row["worst hpu_moe"], row["worst hpu_moe form"]) = (
+                min(rewritten), max(rewritten))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
+def _ms(value) -> str:
+    return f"{value:.3f}" if value else "n/a"
+
+
 def markdown(result: dict) -> str:
-    lines = [f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, bfloat16, "
-             f"torch.compile mode {result.get('mode', 'default')!r}, "
-             f"{result['date']}; HBM {result['ceilings']['hbm_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
-             f"{result['ceilings']['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s measured in the same run.", "",
-             "| model | T | limit ms | " + " | ".join(f"{f} ms" for f in ORIGINAL) + f" | {REWRITTEN} ms | "
-             "best original / hpu_moe | hpu_moe / limit |",
+    """Two tables: the original forms against hpu_moe's slowest form, then hpu_moe on every form."""
+    head = (f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, bfloat16, "
+            f"torch.compile mode {result.get('mode', 'default')!r}, "
+            f"{result['date']}; HBM {result['ceilings']['hbm_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
+            f"{result['ceilings']['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s measured in the same run.")
+    lines = [head, "",
+             "| model | T | limit ms | " + " | ".join(f"{f} ms" for f in ORIGINAL)
+             + " | hpu_moe ms (slowest form) | best original / hpu_moe | hpu_moe / limit |",
              "|---|---|---|" + "---|" * len(ORIGINAL) + "---|---|---|"]
     for r in result["rows"]:
-        cells = [f"{r[f]:.3f}" if r.get(f) else "n/a" for f in ORIGINAL]
-        fused = r.get(REWRITTEN)
-        ratio = f"{r['best original'] / fused:.2f}x" if fused else "n/a"
-        gap = f"{fused / r['limit_ms']:.2f}x" if fused else "n/a"
-        fused_cell = f"{fused:.3f}" if fused else "n/a"
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['limit_ms']:.3f} | " + " | ".join(cells)
-                     + f" | {fused_cell} | {ratio} | {gap} |")
+        worst = r.get("worst hpu_moe")
+        ratio = f"{r['best original'] / worst:.2f}x" if worst else "n/a"
+        gap = f"{worst / r['limit_ms']:.2f}x" if worst else "n/a"
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['limit_ms']:.3f} | "
+                     + " | ".join(_ms(r.get(f)) for f in ORIGINAL) + f" | {_ms(worst)} | {ratio} | {gap} |")
+    lines += ["", "| model | T | " + " | ".join(f"{f} ms" for f in REWRITTEN) + " | slowest / fastest form |",
+              "|---|---|" + "---|" * len(REWRITTEN) + "---|"]
+    for r in result["rows"]:
+        spread = f"{r['worst hpu_moe'] / r['best hpu_moe']:.2f}x" if r.get("worst hpu_moe") else "n/a"
+        lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(_ms(r.get(f)) for f in REWRITTEN)
+                     + f" | {spread} |")
     return "\n".join(lines) + "\n"
 
 
@@ -192,15 +237,17 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         rows = [r for r in result["rows"] if r["model"] == model]
-        for form in (*ORIGINAL, REWRITTEN):
+        for form in (*ORIGINAL, "worst hpu_moe"):
             points = [(r["tokens"], r[form] / r["limit_ms"]) for r in rows if r.get(form)]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=form, linewidth=2.5 if form == REWRITTEN else 1)
+                label = "hpu_moe (slowest form)" if form == "worst hpu_moe" else form
+                ax.plot(*zip(*points, strict=True), marker="o", label=label,
+                        linewidth=2.5 if form == "worst hpu_moe" else 1)
         ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="physical limit")
         ax.axhline(1.3, color="grey", linestyle=":", linewidth=1, label="1.3x limit")
         ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time / physical limit", title=model)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(f"One MoE layer, bf16, compile mode {result.get('mode', 'default')!r}, {result['device']} "
                  f"({result['date']})", fontsize=10)
     fig.tight_layout()
@@ -214,6 +261,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480, help="skip variants once this many seconds passed")
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"],
                         help="torch.compile mode of every compiled variant")
+    parser.add_argument("--merge", nargs="*", default=[], help="JSON results of earlier runs (other models) to add")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.add_argument("--markdown")
@@ -222,6 +270,7 @@ def main(argv=None) -> int:
 
     deadline = time.time() + args.budget_s
     torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the ModuleList loop's torch.where
     ceilings = measure_ceilings()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "transformers": transformers.__version__, "date": datetime.date.today().isoformat(),
@@ -231,6 +280,9 @@ def main(argv=None) -> int:
           f"bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
         result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode)
+    for path in args.merge:  # one model per run keeps each run under the device's time limit
+        with open(path) as f:
+            result["rows"] += json.load(f)["rows"]
     text = markdown(result)
     print(text)
     if args.json:
