@@ -515,13 +515,14 @@ def _trace_into_kernel(mode, func, types, args, kwargs):
     cover (CPU, float32, tensor subclasses) stays the opaque op.
     """
     plain = all(issubclass(t, (torch._subclasses.FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
-    if plain and not kwargs:
-        hidden_states, table, router_weights, gate_up, down, permuted, activation, experts_min, count, inter = (
-            _stacked_arguments(func._overloadname, args)
-        )
-        gate, up = _gate_and_up(gate_up[0], inter, permuted) if len(gate_up) == 1 else gate_up
-        if kernels.kernel_applies(hidden_states, activation, gate, up):
-            with mode:
+    hidden_states = args[0]
+    if plain and not kwargs and hidden_states.is_cuda:
+        with mode:  # the functional tensors may only be used under their mode
+            hidden_states, table, router_weights, gate_up, down, permuted, activation, experts_min, count, inter = (
+                _stacked_arguments(func._overloadname, args)
+            )
+            gate, up = _gate_and_up(gate_up[0], inter, permuted) if len(gate_up) == 1 else gate_up
+            if kernels.kernel_applies(hidden_states, activation, gate, up):
                 return kernels.traced_fused_moe(
                     hidden_states, table, router_weights, gate, up, down, permuted, activation, experts_min
                 )
