@@ -540,7 +540,9 @@ def test_grouped_path_matches_the_reference(monkeypatch, tokens, experts, top_k,
     w3 = list((torch.randn(held, 64, 32, generator=g) / 8).bfloat16().unbind(0))
     args = (x, ids, w, w12, w3, True, "silu", experts_min, experts_min + held - 1)
     assert (
-        fused_op._grouped_fused(x, ids, w, w12, w3, True, torch.nn.functional.silu, experts_min, held)
+        fused_op._grouped_fused(
+            x, ids, w, (torch.stack(w12),), torch.stack(w3), True, torch.nn.functional.silu, experts_min, held
+        )
         is not None
     )
     actual = torch.ops.moe_passes.mixture_of_experts.fused_weights(*args)

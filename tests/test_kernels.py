@@ -119,7 +119,8 @@ def test_cpu_takes_the_grouped_path_only_for_few_rows_per_expert():
     for tokens, grouped in ((8, True), (fused_op.CPU_GROUPED_MAX_ROWS * experts, False)):
         table = routing_table(tokens, experts, top_k, tokens)
         x, w = torch.randn(tokens, 32), torch.rand(tokens, top_k)
-        result = fused_op._grouped_fused(x, table, w, w12, w3, True, torch.nn.functional.silu, 0, experts)
+        stacks = (torch.stack(w12),), torch.stack(w3)
+        result = fused_op._grouped_fused(x, table, w, *stacks, True, torch.nn.functional.silu, 0, experts)
         assert (result is not None) == grouped
         args = (x, table, w, w12, w3, True, "silu", 0, experts - 1)
         expected = mixture_of_experts_fused_weights_reference(*args)
@@ -131,9 +132,10 @@ def test_cpu_takes_the_grouped_path_only_for_few_rows_per_expert():
 def test_inductor_launches_the_kernel_from_its_generated_code():
     """hpu_moe + inductor on CUDA: the stacked call becomes the Triton launches in inductor's own code
     (no opaque op call per step), and stays right as the token count changes (symbolic sizes)."""
+    from torch._inductor.utils import run_and_get_code
+
     import moe_passes
     from patterns import hf_grouped_mm
-    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     model, _ = hf_grouped_mm.build(hidden=64, intermediate=48, num_experts=8, top_k=2, layers=1)

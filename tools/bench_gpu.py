@@ -97,7 +97,7 @@ def build(name: str, sizes: dict):
                             "w2_weight": state["experts.down_proj"]}, assign=True)
     blocks["static loop"] = static.eval()
     with torch.device("meta"):
-        transposed = SparseMoeBlock(cfg, transposed_grouped_forward, is_transposed=True)
+        transposed = SparseMoeBlock({**cfg, "activation": "silu"}, transposed_grouped_forward, is_transposed=True)
     transposed.load_state_dict({"gate.gate.weight": state["gate.weight"],
                                 "experts.gate_up_proj": state["experts.gate_up_proj"].transpose(1, 2).contiguous(),
                                 "experts.down_proj": state["experts.down_proj"].transpose(1, 2).contiguous()},

@@ -151,8 +151,8 @@ def check(args) -> None:
             print(f"kernel check {name} T={tokens}: rel err {err:.2e}")
 
 
-def grouped_path(x, ids, w, l12, l3, sizes):
-    return fused_op._grouped_fused(x, ids, w, l12, l3, True, torch.nn.functional.silu, 0, sizes["experts"])
+def grouped_path(x, ids, w, w12, w3, sizes):
+    return fused_op._grouped_fused(x, ids, w, (w12,), w3, True, torch.nn.functional.silu, 0, sizes["experts"])
 
 
 def bench(args, ceilings) -> list[dict]:
@@ -171,7 +171,7 @@ def bench(args, ceilings) -> list[dict]:
             limit = limit_ms([ids for ids, _ in routings], sizes["hidden"], inter, sizes["top_k"], ceilings)
             row = {"model": name, "tokens": tokens, "limit_ms": limit}
             row["op_ms"] = time_ms(lambda x, i, w: op.fused_weights(x, i, w, l12, l3, True, "silu", 0, sizes["experts"] - 1), inputs)  # noqa: B023 (called at once)
-            row["grouped_ms"] = time_ms(lambda x, i, w: grouped_path(x, i, w, l12, l3, sizes), inputs)  # noqa: B023 (called at once)
+            row["grouped_ms"] = time_ms(lambda x, i, w: grouped_path(x, i, w, w12, w3, sizes), inputs)  # noqa: B023 (called at once)
             gate, up = w12[:, :inter], w12[:, inter:]
             row["kernel_ms"] = time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, w3, True, "silu", 0), inputs)  # noqa: B023 (called at once)
             if args.sweep and tokens in args.sweep_tokens:
