@@ -175,7 +175,7 @@ def test_report_json_round_trips():
     report, _, _ = run_hpu_moe(model, inputs)
     data = json.loads(report.to_json())
     assert data["graph_count"] == 1 and len(data["fused"]) == 2
-    assert data["fused"][0]["overload"] == "moe_passes::mixture_of_experts.fused_weights"
+    assert data["fused"][0]["overload"] == "moe_passes::mixture_of_experts.stacked_fused_weights"
     text = str(report)
     assert "fused MoE layers: 2" in text and "declined candidates: 0" in text
 

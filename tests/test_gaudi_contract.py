@@ -92,7 +92,7 @@ def test_hpu_numbers_match_in_float32_under_inductor():
 def test_portable_target_can_be_forced_beside_the_bridge():
     out = run_with_bridge("hf_grouped_mm", dtype="bfloat16", target="portable")
     assert out["report_target"] == "portable"
-    assert set(out["overloads"]) == {"moe_passes::mixture_of_experts.fused_weights"}
+    assert set(out["overloads"]) == {"moe_passes::mixture_of_experts.stacked_fused_weights"}
     assert out["calls"] == []
 
 

@@ -150,7 +150,7 @@ FAMILIES = {
     "deepseek_v3": deepseek_v3,
     "gpt_oss": gpt_oss,
 }
-OVERLOAD = {"gpt_oss": "bias_fused_weights"}
+OVERLOAD = {"gpt_oss": "bias_fused_weights"}  # the others: stacked_fused_weights (stacked parameters)
 
 
 def build(family: str, implementation: str, dtype: torch.dtype):
@@ -171,7 +171,7 @@ def test_every_moe_layer_fused(family, implementation, inner):
     assert not report.declined, str(report)
     assert len(recorder.fused_nodes()) == LAYERS
     assert {f.form for f in report.fused} == {implementation}
-    overload = OVERLOAD.get(family, "fused_weights")
+    overload = OVERLOAD.get(family, "stacked_fused_weights")
     assert {f.overload for f in report.fused} == {f"moe_passes::mixture_of_experts.{overload}"}
     assert [f.layer for f in report.fused] == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
     assert_close_for_dtype(output, eager_output(model, inputs))
@@ -233,15 +233,15 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
   %0 = aten.reshape(in0, [-1, 16])
   %1 = getitem(in1, 1)
   %2 = aten._to_copy(in2, dtype=bfloat16)
-  %3 = moe_passes.mixture_of_experts.fused_weights(%0, %1, %2, in3[0:4], in4[0:4], True, 'silu', 0, 3)
+  %3 = moe_passes.mixture_of_experts.stacked_fused_weights(%0, %1, %2, in3, in4, True, 'silu', 0, 3)
   %4 = aten.reshape(in5, [-1, 16])
   %5 = getitem(in6, 1)
   %6 = aten._to_copy(in7, dtype=bfloat16)
-  %7 = moe_passes.mixture_of_experts.fused_weights(%4, %5, %6, in8[0:4], in9[0:4], True, 'silu', 0, 3)
+  %7 = moe_passes.mixture_of_experts.stacked_fused_weights(%4, %5, %6, in8, in9, True, 'silu', 0, 3)
   %8 = aten.reshape(in10, [-1, 16])
   %9 = getitem(in11, 1)
   %10 = aten._to_copy(in12, dtype=bfloat16)
-  %11 = moe_passes.mixture_of_experts.fused_weights(%8, %9, %10, in13[0:4], in14[0:4], True, 'silu', 0, 3)""",
+  %11 = moe_passes.mixture_of_experts.stacked_fused_weights(%8, %9, %10, in13, in14, True, 'silu', 0, 3)""",
     )
 
 

@@ -149,7 +149,7 @@ def test_whole_model_compiles_into_one_graph_with_a_fused_call_per_layer():
         report, out = explain_and_run(model, x, options=PORTABLE_EAGER)
     assert (report.graph_count, report.graph_break_count, report.compile_count) == (1, 0, 1), str(report)
     assert [f.layer for f in report.fused] == [f"layers.{i}.experts" for i in range(4)], str(report)
-    assert {f.overload for f in report.fused} == {"moe_passes::mixture_of_experts.fused_weights"}
+    assert {f.overload for f in report.fused} == {"moe_passes::mixture_of_experts.stacked_fused_weights"}
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
