@@ -29,10 +29,12 @@ from .passes.matches import RoutingInfo
 from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import format_graph, node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord, next_graph_index, publish
+from .restack import restack_weight_lists
 from .steps import Steps, count, keep_graph_texts, trace_artifact
 from .subclass_inputs import SubclassOutput
 from .verify import compare_rewrite
 
+LAYER_META = "moe_passes_layer"  # on each fused call: the layer the report names it by
 log = logging.getLogger(__name__)
 
 
@@ -89,6 +91,8 @@ def rewrite_graph(
     with steps.step("rewrite"):
         nodes = apply(canonical, found, target)
     fused = [_fused(a, node, target, record.index) for a, node in zip(found.accepted, nodes, strict=True)]
+    for accepted, node in zip(found.accepted, nodes, strict=True):
+        node.meta[LAYER_META] = accepted.layer
     if options.verify:
         with steps.step("verify"):
             worst, ok = compare_rewrite(gm, canonical, example_inputs)
@@ -227,7 +231,10 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             return _compile_captured(compiler, opts.inner, gm, example_inputs, mode, record)
     try:
         with Steps(record).step("inner compile"):
-            return _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
+            compiled = _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
+        if target == "portable":
+            _restack(graph, example_inputs, record)
+        return compiled
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
         record.fallback = (
             f"the inner backend failed on the rewritten graph, compiled the captured one instead: "
@@ -244,6 +251,21 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
 
 
 setattr(hpu_moe, BACKEND_MARK, hpu_moe)
+
+
+def _restack(graph: torch.fx.GraphModule, example_inputs, record: GraphRecord) -> None:
+    """Move the portable calls' per-expert weights in separate allocations into stacks (restack.py).
+
+    After the inner compile: the compilers have read the inputs' layouts (storage offsets included)
+    as dynamo recorded them, and the move changes only where the data lives, not shapes or values.
+    """
+    moved = restack_weight_lists(graph.graph, example_inputs)
+    if not moved:
+        return
+    by_layer = {node.meta.get(LAYER_META): tensors for node, tensors in moved.items()}
+    record.fused[:] = [dataclasses.replace(f, restacked=by_layer.get(f.layer, 0)) for f in record.fused]
+    count("restacked_weights", sum(moved.values()))
+    log.info("moved %d per-expert weights into stacks for the portable op", sum(moved.values()))
 
 
 def _compile_captured(compiler, inner, gm, example_inputs, mode, record: GraphRecord):

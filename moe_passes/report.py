@@ -28,6 +28,7 @@ class Fused:
     # router's router_experts (None: the router's width is unknown or equal to num_experts).
     experts_min: int = 0
     router_experts: int | None = None
+    restacked: int = 0  # per-expert weight tensors moved into stacks for the portable op (restack.py)
 
     def experts_text(self) -> str:
         """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
@@ -243,6 +244,8 @@ class Report:
         lines.append(f"  fused MoE layers: {len(self.fused)}")
         for f in self.fused:
             error = f", verified max error {f.max_error:.2g}" if f.max_error is not None else ""
+            if f.restacked:
+                error += f", {f.restacked} per-expert weights moved into stacks"
             lines.append(
                 f"    [graph {f.graph}] {f.layer}: {f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"

@@ -1,0 +1,82 @@
+"""Per-expert weights in separate allocations are moved once into stacks for the portable op, and stay right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_passes
+from moe_passes.fused_op import _stacked_view
+from moe_passes.restack import movable, restack
+from patterns import dynamo_config, mixtral4_sparse_loop
+
+
+def _experts(model):
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == 4)
+
+
+def test_modulelist_weights_become_one_stack_and_stay_right_when_changed():
+    model, (x,) = mixtral4_sparse_loop.build(layers=2, num_experts=4)
+    experts = _experts(model)
+    before = [e.w1.weight.data_ptr() for e in experts]
+    assert _stacked_view([e.w1.weight for e in experts]) is None
+    torch._dynamo.reset()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        expected = model(x)
+        report = moe_passes.explain(model, x, options={"inner": "eager", "target": "portable"})
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options={"inner": "eager", "target": "portable"})
+        torch.testing.assert_close(compiled(x), expected)
+        assert [f.restacked for f in report.fused] == [12, 12], str(report)
+        assert "12 per-expert weights moved into stacks" in str(report)
+        for role in ("w1", "w2", "w3"):
+            assert _stacked_view([getattr(e, role).weight for e in experts]) is not None, role
+        assert [e.w1.weight.data_ptr() for e in experts] != before
+        experts[2].w1.weight.mul_(2)  # in place: lands in the stack
+        torch.testing.assert_close(compiled(x), model(x))
+        experts[3].w3.weight.data = experts[3].w3.weight.data.clone() * 0.5  # pointed elsewhere
+        assert _stacked_view([e.w3.weight for e in experts]) is None
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_stacked_weights_are_left_alone():
+    from patterns import static_dense_loop
+
+    model, (x,) = static_dense_loop.build(num_experts=4)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = moe_passes.explain(model, x, options={"inner": "eager", "target": "portable"})
+    assert report.fused and all(f.restacked == 0 for f in report.fused), str(report)
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda: [torch.randn(3, 2) for _ in range(1)], "one tensor"),
+        (lambda: [torch.randn(3, 2), torch.randn(2, 3)], "shapes differ"),
+        (lambda: [torch.randn(3, 2), torch.randn(3, 2).double()], "dtypes differ"),
+        (lambda: list(torch.randn(2, 3, 2).unbind(0)), "already one stack"),
+        (lambda: [torch.randn(3, 2).t(), torch.randn(3, 2).t()], "not contiguous"),
+        (lambda: [torch.randn(6)[:4].view(2, 2), torch.randn(2, 2)], "a view of a larger storage"),
+    ],
+)
+def test_tensors_that_others_can_see_into_are_not_moved(make, why):
+    assert not movable(make()), why
+
+
+def test_a_tensor_with_a_view_held_elsewhere_is_not_moved():
+    tensors = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(3)]
+    assert movable(tensors)
+    held = tensors[1].view(6)  # someone reads this storage: moving would leave them the old data
+    assert not movable(tensors)
+    del held
+    same = [tensors[0], tensors[0], tensors[1]]
+    assert not movable(same), "one tensor listed twice (tied experts) must keep its storage"
+
+
+def test_restack_keeps_values_and_parameters():
+    tensors = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(4)]
+    values = [t.detach().clone() for t in tensors]
+    restack(tensors)
+    assert all(isinstance(t, torch.nn.Parameter) for t in tensors)
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values, strict=True))
+    assert torch.equal(_stacked_view(tensors), torch.stack(values))
