@@ -174,6 +174,11 @@ def bench(args, ceilings) -> list[dict]:
             row["grouped_ms"] = time_ms(lambda x, i, w: grouped_path(x, i, w, w12, w3, sizes), inputs)  # noqa: B023 (called at once)
             gate, up = w12[:, :inter], w12[:, inter:]
             row["kernel_ms"] = time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, w3, True, "silu", 0), inputs)  # noqa: B023 (called at once)
+            if args.in_out:  # the same weights stored [E, in, out] (transposed stacks)
+                gate_t, up_t, down_t = (t.transpose(1, 2).contiguous() for t in (gate, up, w3))
+                row["kernel_in_out_ms"] = time_ms(
+                    lambda x, i, w: kernels.fused_moe(x, i, w, gate_t, up_t, down_t, False, "silu", 0), inputs)  # noqa: B023
+                del gate_t, up_t, down_t
             if args.sweep and tokens in args.sweep_tokens:
                 best = sweep(kernels, inputs, gate, up, w3, tokens * sizes["top_k"], sizes["experts"])
                 row["sweep_best_ms"], row["sweep_best"] = best
@@ -260,6 +265,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--in-out", action="store_true", help="also time the kernel on stacks stored [E, in, out]")
     parser.add_argument("--sweep-tokens", nargs="*", type=int, default=[1024, 8192])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", nargs=2, action="append", metavar=("MODEL", "T"), default=[])
@@ -280,7 +286,8 @@ def main(argv=None) -> int:
     print(f"{'model':14s} {'T':>5s} {'limit':>8s} {'kernel':>8s} {'op':>8s} {'grouped':>8s} {'kern/lim':>8s}")
     for r in rows:
         print(f"{r['model']:14s} {r['tokens']:5d} {r['limit_ms']:8.3f} {r['kernel_ms']:8.3f} {r['op_ms']:8.3f} "
-              f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if args.sweep else ""))
+              f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if args.sweep else "")
+              + (f"  in-out layout {r['kernel_in_out_ms']:.3f}" if args.in_out else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
