@@ -80,3 +80,19 @@ def test_restack_keeps_values_and_parameters():
     assert all(isinstance(t, torch.nn.Parameter) for t in tensors)
     assert all(torch.equal(t, v) for t, v in zip(tensors, values, strict=True))
     assert torch.equal(_stacked_view(tensors), torch.stack(values))
+
+
+def test_moved_weights_save_and_load_with_transformers(tmp_path):
+    """The moved tensors share one storage: save_pretrained (which clones disjoint slices) and torch.save keep them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    restack([layer.mlp.gate_proj.weight for layer in model.model.layers])
+    model.save_pretrained(tmp_path / "model")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model")
+    for (name, expected), actual in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), name
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt")
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
