@@ -53,6 +53,10 @@ class LayerRun:
     guard_failures: list[str]  # the guard that failed at each recompile, with the source line it came from
     advice: list[str]
     report: str  # moe_passes' report of the run (`explaining`)
+    # vLLM 0.17-0.23's CPU MoE fallback: whether these layers run `forward_torch`, which hands its op
+    # `id(layer)` (None: no such fallback here). It is picked per machine: on CPUs with AMX for float32
+    # weights, or where vLLM's CPU kernels are missing; elsewhere its grouped GEMM, keyed by nothing.
+    keyed_by_identity: bool | None = None
 
 
 def _build_layers(config):
@@ -77,6 +81,16 @@ def _build_layers(config):
                 if hasattr(module, "w13_weight") and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
     return layers
+
+
+def _keyed_by_identity(layers) -> bool | None:
+    """Whether vLLM's CPU MoE fallback runs these layers through `forward_torch` (see LayerRun)."""
+    for module in layers[0].modules():
+        fallback = getattr(getattr(module, "quant_method", None), "cpu_fused_moe", None)
+        method = getattr(fallback, "forward_method", None)
+        if method is not None:
+            return getattr(method, "__name__", "") == "forward_torch"
+    return None
 
 
 def _use_custom_op(layers) -> None:
@@ -157,6 +171,7 @@ def run(entry: str, backend: str, tmp: str) -> LayerRun:
         guard_failures=[failure for r in report.recompiles for failure in r.guard_failures[:1]],
         advice=report.advice,
         report=str(report),
+        keyed_by_identity=_keyed_by_identity(layers),
     )
 
 
