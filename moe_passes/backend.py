@@ -29,7 +29,8 @@ from .passes.matches import RoutingInfo
 from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import format_graph, node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord, next_graph_index, publish
-from .restack import restack_weight_lists
+from .restack import restack_weight_lists, unstack
+from .stacked_inputs import find_list_calls, take_stacks, with_stacked_inputs
 from .steps import Steps, count, keep_graph_texts, trace_artifact
 from .subclass_inputs import SubclassOutput
 from .verify import compare_rewrite
@@ -229,13 +230,21 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     if graph is gm:
         with Steps(record).step("inner compile"):
             return _compile_captured(compiler, opts.inner, gm, example_inputs, mode, record)
+    taken = None
     try:
+        inputs = example_inputs
+        if target == "portable" and _host_side_inputs(opts.inner, mode):
+            taken = _take_stacks(graph, example_inputs, record)
+            if taken is not None:
+                inputs = taken[0]
         with Steps(record).step("inner compile"):
-            compiled = _compile_inner(compiler, opts.inner, graph, example_inputs, mode)
+            compiled = _compile_inner(compiler, opts.inner, graph, inputs, mode)
         if target == "portable":
-            _restack(graph, example_inputs, record)
-        return compiled
+            _restack(graph, inputs, record)
+        return compiled if taken is None else with_stacked_inputs(compiled, taken[1])
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
+        if taken is not None:  # the captured graph's inputs are laid out as dynamo recorded them again
+            unstack([example_inputs[i] for group in taken[1].groups for i in group.positions])
         record.fallback = (
             f"the inner backend failed on the rewritten graph, compiled the captured one instead: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -259,13 +268,53 @@ def _restack(graph: torch.fx.GraphModule, example_inputs, record: GraphRecord) -
     After the inner compile: the compilers have read the inputs' layouts (storage offsets included)
     as dynamo recorded them, and the move changes only where the data lives, not shapes or values.
     """
-    moved = restack_weight_lists(graph.graph, example_inputs)
+    _record_restacked(record, restack_weight_lists(graph.graph, example_inputs))
+
+
+def _record_restacked(record: GraphRecord, moved: dict) -> None:
+    """Report `moved` ({fused call: tensors moved into stacks}) on the layers' entries and counters."""
     if not moved:
         return
     by_layer = {node.meta.get(LAYER_META): tensors for node, tensors in moved.items()}
-    record.fused[:] = [dataclasses.replace(f, restacked=by_layer.get(f.layer, 0)) for f in record.fused]
+    record.fused[:] = [
+        dataclasses.replace(f, restacked=f.restacked + by_layer.get(f.layer, 0)) for f in record.fused
+    ]
     count("restacked_weights", sum(moved.values()))
     log.info("moved %d per-expert weights into stacks for the portable op", sum(moved.values()))
+
+
+def _host_side_inputs(inner, mode) -> bool:
+    """Whether the inner compiler's code reads its inputs on the host on every call (no CUDA graph
+    replay), so taking weight lists as stacks (stacked_inputs.py) saves per-call work. Only inner
+    backends known not to specialise on input addresses qualify."""
+    name = inner_name(inner)
+    if name in ("eager", "aot_eager"):
+        return True
+    if name != "inductor":
+        return False
+    if mode and mode != "default":
+        from torch._inductor import list_mode_options
+
+        if list_mode_options(mode).get("triton.cudagraphs"):
+            return False
+    from torch._inductor import config
+
+    return not config.triton.cudagraphs
+
+
+def _take_stacks(graph: torch.fx.GraphModule, example_inputs, record: GraphRecord):
+    """Let the graph take the portable calls' per-expert weight lists as stacks (stacked_inputs.py).
+
+    Returns (the inner graph's example inputs, the input plan), or None where no call qualifies.
+    """
+    taken = take_stacks(graph, example_inputs, find_list_calls(graph, example_inputs))
+    if taken is None:
+        return None
+    inputs, plan, moved = taken
+    _record_restacked(record, moved)
+    count("stacked_inputs", len(plan.groups))
+    log.info("the compiled graph takes %d per-expert weight lists as stacks", len(plan.groups))
+    return inputs, plan
 
 
 def _compile_captured(compiler, inner, gm, example_inputs, mode, record: GraphRecord):

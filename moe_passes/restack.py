@@ -59,7 +59,8 @@ def restack(tensors: list[torch.Tensor]) -> None:
             tensor.data = stack[index]
 
 
-def _fused_list_calls(graph: Graph) -> list[Node]:
+def fused_list_calls(graph: Graph) -> list[Node]:
+    """The calls of the op's list overloads (per-expert weight lists) in `graph`."""
     return [
         node
         for node in graph.nodes
@@ -81,7 +82,7 @@ def restack_weight_lists(graph: Graph, example_inputs) -> dict[Node, int]:
         return {}
     values = dict(zip(placeholders, example_inputs, strict=True))
     moved = {}
-    for call in _fused_list_calls(graph):
+    for call in fused_list_calls(graph):
         arguments = dict(zip((a.name for a in call.target._schema.arguments), call.args, strict=False))
         for name in LIST_ARGUMENTS:
             nodes = arguments.get(name)
@@ -92,3 +93,11 @@ def restack_weight_lists(graph: Graph, example_inputs) -> dict[Node, int]:
                 restack(tensors)
                 moved[call] = moved.get(call, 0) + len(tensors)
     return moved
+
+
+def unstack(tensors: list[torch.Tensor]) -> None:
+    """Give each tensor its own allocation again (undoes `restack` where a compile must see the inputs as
+    dynamo recorded them)."""
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.data = tensor.detach().clone()

@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 import moe_passes  # noqa: E402
 from patterns import hf_grouped_mm, mixtral4_sparse_loop, static_dense_loop  # noqa: E402
@@ -144,7 +145,8 @@ def variants(blocks: dict, fused_forms, mode: str) -> dict:
     return fns
 
 
-def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float, mode: str) -> list[dict]:
+def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float, mode: str,
+                forms=()) -> list[dict]:
     blocks = build(name, sizes)
     fused_forms = []
     with torch.no_grad():  # the forms hpu_moe fuses with the installed transformers (all, expectedly)
@@ -159,7 +161,7 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
                 fused_forms.append(form)
     assert fused_forms, "hpu_moe fused none of the forms"
     torch._dynamo.reset()
-    fns = variants(blocks, fused_forms, mode)
+    fns = {form: fn for form, fn in variants(blocks, fused_forms, mode).items() if not forms or form in forms}
     rows = []
     for tokens in tokens_list:
         g = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -182,10 +184,14 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
                     row[form] = None
                     row[form + " note"] = "not run: time budget spent"
                     continue
+                skips, graphs = counters["inductor"]["cudagraph_skips"], counters["stats"]["unique_graphs"]
                 start = time.perf_counter()
                 out = fn(*inputs[0]).float()
                 first = time.perf_counter() - start
                 row[form + " first call s"] = round(first, 2)  # compiles included
+                row[form + " graphs compiled"] = counters["stats"]["unique_graphs"] - graphs
+                if mode == "reduce-overhead":  # a skipped graph runs without CUDA graphs: say so
+                    row[form + " cudagraph skips"] = counters["inductor"]["cudagraph_skips"] - skips
                 row[form + " error"] = ((out - expected).norm() / expected.norm()).item()
                 start = time.perf_counter()
                 fn(*inputs[1 % len(inputs)])
@@ -267,6 +273,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480, help="skip variants once this many seconds passed")
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"],
                         help="torch.compile mode of every compiled variant")
+    parser.add_argument("--forms", nargs="*", default=[], help="time only these variants (names as in the tables)")
     parser.add_argument("--merge", nargs="*", default=[], help="JSON results of earlier runs (other models) to add")
     parser.add_argument("--json")
     parser.add_argument("--plot")
@@ -285,7 +292,7 @@ def main(argv=None) -> int:
     print(f"{result['device']}: HBM {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
-        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode)
+        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode, args.forms)
     for path in args.merge:  # one model per run keeps each run under the device's time limit
         with open(path) as f:
             result["rows"] += json.load(f)["rows"]

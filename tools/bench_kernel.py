@@ -13,6 +13,7 @@ configuration of a small grid at each size (the data behind `moe_passes/kernels/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -187,34 +188,31 @@ def bench(args, ceilings) -> list[dict]:
     return rows
 
 
-GATE_UP_TILES = ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4))
-DOWN_TILES = ((64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 4))
-
-
 def sweep(kernels, inputs, gate, up, down, pairs, experts):
-    """Best (ms, config): per block_m, the gate/up tiles with the default down tiles, then the down tiles."""
+    """Best (ms, config) by coordinate search: per block_m, every gate/up tile with the table's down tile,
+    then every down tile with the best gate/up tile. Tiles that do not fit (shared memory) time as inf."""
     default = choose_config(pairs, experts)
     m = pairs / experts
-    block_ms = [16, 32] if m <= 16 else [16, 32, 64] if m <= 64 else [64, 128] if m <= 512 else [128]
+    block_ms = [16] if m <= 4 else [16, 32] if m <= 16 else [32, 64] if m <= 64 else [64, 128]
+    block_ns = (32, 64, 128) if m <= 16 else (64, 128, 256)
 
     def timed(cfg):
         try:
-            return time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, down, True, "silu", 0, cfg), inputs, reps=10)
-        except Exception as error:  # out of shared memory and the like
-            print(f"  {cfg}: {type(error).__name__}")
+            return time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, down, True, "silu", 0, cfg), inputs, reps=10)  # noqa: B023
+        except Exception:  # out of shared memory and the like
             return float("inf")
 
-    best = (float("inf"), None)
+    best = (timed(default), default)
     for bm in block_ms:
-        tile = lambda t, g, bm=bm: TileConfig(bm, t[0], t[1], g, t[2], t[3])  # noqa: E731
-        down_tile = TileConfig(bm, default.down.block_n, default.down.block_k, default.down.group_m,
-                               default.down.num_warps, default.down.num_stages)
-        results = [(timed(MoEConfig(tile(t, default.gate_up.group_m), down_tile)), t) for t in GATE_UP_TILES]
-        best_gate_up = tile(min(results)[1], default.gate_up.group_m)
-        for t in DOWN_TILES:
-            cfg = MoEConfig(best_gate_up, tile(t, default.down.group_m))
-            best = min(best, (timed(cfg), repr(cfg)), key=lambda r: r[0])
-    return best
+        down_tile = dataclasses.replace(default.down, block_m=bm)
+        gate_ups = [TileConfig(bm, bn, bk, default.gate_up.group_m, warps, stages)
+                    for bn, bk, warps, stages in itertools.product(block_ns[:2], (64, 128), (4, 8), (3, 4))]
+        gate_up = min(gate_ups, key=lambda t: timed(MoEConfig(t, down_tile)))
+        downs = [TileConfig(bm, bn, bk, default.down.group_m, warps, stages)
+                 for bn, bk, warps, stages in itertools.product(block_ns, (64, 128), (4, 8), (3, 4))]
+        for tile in downs:
+            best = min(best, (timed(MoEConfig(gate_up, tile)), MoEConfig(gate_up, tile)), key=lambda r: r[0])
+    return best[0], repr(best[1])
 
 
 def profile(model: str, tokens: int) -> None:
@@ -286,7 +284,7 @@ def main(argv=None) -> int:
     print(f"{'model':14s} {'T':>5s} {'limit':>8s} {'kernel':>8s} {'op':>8s} {'grouped':>8s} {'kern/lim':>8s}")
     for r in rows:
         print(f"{r['model']:14s} {r['tokens']:5d} {r['limit_ms']:8.3f} {r['kernel_ms']:8.3f} {r['op_ms']:8.3f} "
-              f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if args.sweep else "")
+              f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if "sweep_best" in r else "")
               + (f"  in-out layout {r['kernel_in_out_ms']:.3f}" if args.in_out else ""))
     if args.json:
         with open(args.json, "w") as f:

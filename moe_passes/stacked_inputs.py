@@ -1,0 +1,181 @@
+"""The compiled graph takes a fused layer's per-expert weight lists as stacks, rebuilt on each call as views.
+
+Why: a ModuleList layer hands the portable op 3 x E separate graph inputs, and without CUDA graphs each
+of them costs on every call: inductor's generated code asserts every input's size and stride, the call
+marshals three E-long lists, and the op checks again that each list is one stack. Here the inner graph
+takes one [E, ...] input per list instead, and the compiled callable finds it on each call from the
+caller's tensors themselves (`fused_op._stacked_view`: one pass over addresses and metadata), so the
+inner graph sees 3 inputs where it saw 3 x E, and calls the stacked overload.
+
+Nothing goes stale: the stack is derived from the parameters on every call, so an in-place update is
+read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the tensors
+are stacked per call (a copy: right, slower, warned once).
+
+Where: calls of the portable op's list overloads whose every weight list is made of graph inputs used by
+that call alone, each list either one stack already or movable into one (`restack.movable`, moved here,
+before the inner compile, which never sees those inputs). Not where the compiled code replays CUDA
+graphs: a replay takes parameters' addresses as fixed but would copy a per-call input into its static
+buffer on every replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import GraphModule, Node
+
+from . import lowering
+from .fused_op import _stacked_view
+from .restack import LIST_ARGUMENTS, fused_list_calls, movable, restack
+
+
+@dataclasses.dataclass(frozen=True)
+class ListCall:
+    """A fused call whose weight lists can all become stacked graph inputs."""
+
+    call: Node
+    lists: dict[str, tuple[int, ...]]  # argument name -> caller input positions, in expert order
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedGroup:
+    """Caller inputs that the inner graph takes as one stack, and where that stack lay when compiled."""
+
+    positions: tuple[int, ...]
+    addresses: tuple[int, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def stack(self, args: Sequence) -> torch.Tensor:
+        """The stack the inputs are slices of. Fast path: they are where they were at compile time.
+
+        Only the addresses need a look: dynamo's guards have checked each input's shape, stride and
+        dtype before this runs, and the view is taken over the first input's storage, whose bounds
+        torch checks, so separate allocations that happen to lie at those addresses are never read as one.
+        """
+        tensors = [args[i] for i in self.positions]
+        if tuple(map(_data_ptr, tensors)) == self.addresses:
+            try:
+                return tensors[0].as_strided(self.size, self.stride, tensors[0].storage_offset())
+            except RuntimeError:  # past the end of the first input's storage: not one stack any more
+                pass
+        return _stack_of(tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputPlan:
+    """How the caller's inputs become the inner graph's: the kept positions, then one stack per group."""
+
+    kept: tuple[int, ...]
+    groups: tuple[StackedGroup, ...]
+
+    def inner_inputs(self, args: Sequence) -> list:
+        return [args[i] for i in self.kept] + [group.stack(args) for group in self.groups]
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _stack_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    stack = _stacked_view(tensors)
+    if stack is not None:
+        return stack
+    warnings.warn(
+        "hpu_moe: per-expert weights are no longer slices of one stack (a parameter was pointed elsewhere); "
+        "they are stacked on every call until the next compile",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return torch.stack(tensors)
+
+
+def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]:
+    """The portable list calls whose every weight list can be taken as one stacked input."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(example_inputs):
+        return []
+    position = {node: index for index, node in enumerate(placeholders)}
+    found = []
+    for call in fused_list_calls(gm.graph):
+        arguments = dict(zip((a.name for a in call.target._schema.arguments), call.args, strict=False))
+        if lowering.stacked_overload("portable", call.target._overloadname) is None or call.kwargs:
+            continue
+        lists = {}
+        for name in LIST_ARGUMENTS:
+            nodes = arguments.get(name)
+            if nodes is None:
+                continue
+            if not isinstance(nodes, list | tuple) or not all(
+                isinstance(n, Node) and n in position and len(n.users) == 1 for n in nodes
+            ) or len(set(nodes)) != len(nodes):
+                break
+            tensors = [example_inputs[position[n]] for n in nodes]
+            if _stacked_view(tensors) is None and not movable(tensors):
+                break
+            lists[name] = tuple(position[n] for n in nodes)
+        else:
+            if lists:
+                found.append(ListCall(call, lists))
+    return found
+
+
+def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]):
+    """Rewrite `gm` in place so each found list is one stacked input; returns (inner inputs, plan, moved).
+
+    Movable lists are moved into stacks here (`restack`): the inner graph no longer has those inputs, so
+    their new storage offsets reach no compiler. `moved` counts the tensors moved, per call node.
+    """
+    graph = gm.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    fake_mode = detect_fake_mode([node.meta.get("val") for node in placeholders])
+    if fake_mode is None or not found:
+        return None
+    moved: dict[Node, int] = {}
+    groups: list[StackedGroup] = []
+    stacks: list[torch.Tensor] = []
+    last = placeholders[-1]
+    for item in found:
+        values = dict(zip((a.name for a in item.call.target._schema.arguments), item.call.args, strict=False))
+        list_nodes = [node for name in item.lists for node in values[name]]
+        for name, positions in item.lists.items():
+            tensors = [example_inputs[i] for i in positions]
+            if _stacked_view(tensors) is None:
+                restack(tensors)
+                moved[item.call] = moved.get(item.call, 0) + len(tensors)
+            stack = _stacked_view(tensors)
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"{item.call.name}_{name}_stack")
+            last.meta["val"] = fake_mode.from_tensor(stack, static_shapes=True)
+            if hasattr(placeholders[0], "_dynamo_source"):
+                last._dynamo_source = None  # an input dynamo never saw: AOTAutograd takes None as "no source"
+            values[name] = last
+            addresses = tuple(map(_data_ptr, tensors))
+            groups.append(StackedGroup(positions, addresses, tuple(stack.shape), stack.stride()))
+            stacks.append(stack)
+        stacked = lowering.stacked_overload("portable", item.call.target._overloadname)
+        overload = getattr(item.call.target.overloadpacket, stacked)
+        args = tuple(values[a.name] for a in overload._schema.arguments)
+        with graph.inserting_after(item.call):
+            replacement = graph.call_function(overload, args)
+        replacement.meta.update(item.call.meta)
+        item.call.replace_all_uses_with(replacement)
+        graph.erase_node(item.call)
+        for node in list_nodes:
+            graph.erase_node(node)
+    dropped = {i for group in groups for i in group.positions}
+    plan = InputPlan(tuple(i for i in range(len(example_inputs)) if i not in dropped), tuple(groups))
+    gm.recompile()
+    return [example_inputs[i] for i in plan.kept] + stacks, plan, moved
+
+
+def with_stacked_inputs(compiled, plan: InputPlan):
+    """The callable dynamo calls (with the captured graph's inputs): derives the stacks, then runs `compiled`."""
+
+    def run(*args):
+        return compiled(*plan.inner_inputs(args))
+
+    return run

@@ -1,0 +1,117 @@
+"""Without CUDA graphs, the compiled graph takes a ModuleList layer's weight lists as stacks found per call."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import moe_passes
+from moe_passes import backend
+from moe_passes.fused_op import _stacked_view
+from moe_passes.stacked_inputs import InputPlan, StackedGroup
+from moe_passes.steps import COUNTERS
+from patterns import dynamo_config, mixtral4_sparse_loop
+
+PORTABLE_INDUCTOR = {"inner": "inductor", "target": "portable"}
+
+
+def _experts(model):
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == 4)
+
+
+def _inner_graphs(monkeypatch) -> list[torch.fx.GraphModule]:
+    """Records every graph handed to the inner compiler."""
+    seen, compile_inner = [], backend._compile_inner
+
+    def recording(compiler, inner, graph, example_inputs, mode):
+        seen.append(graph)
+        return compile_inner(compiler, inner, graph, example_inputs, mode)
+
+    monkeypatch.setattr(backend, "_compile_inner", recording)
+    return seen
+
+
+def _moe_calls(graph):
+    return [n.target._overloadname for n in graph.graph.nodes if getattr(n.target, "namespace", None) == "moe_passes"]
+
+
+def test_the_inner_graph_takes_three_stacks_and_stays_right_when_weights_change(monkeypatch):
+    model, (x,) = mixtral4_sparse_loop.build(layers=2, num_experts=4)
+    experts = _experts(model)
+    seen = _inner_graphs(monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        expected = model(x)
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
+        torch.testing.assert_close(compiled(x), expected)
+        assert counters[COUNTERS]["stacked_inputs"] == 6  # 2 layers x (w1, w2, w3)
+        assert counters[COUNTERS]["restacked_weights"] == 24
+        assert [_moe_calls(g) for g in seen] == [["stacked", "stacked"]]
+        placeholders = seen[0].graph.find_nodes(op="placeholder")
+        stacks = [p.meta["val"] for p in placeholders if p.name.endswith("_stack")]
+        assert [tuple(s.shape[:1]) for s in stacks] == [(4,)] * 6
+        assert not any(p.meta["val"].shape == experts[0].w1.weight.shape for p in placeholders)
+        experts[2].w1.weight.mul_(2)  # in place: read through the stack
+        torch.testing.assert_close(compiled(x), model(x))
+        experts[3].w3.weight.data = experts[3].w3.weight.data.clone() * 0.5  # pointed elsewhere
+        with pytest.warns(RuntimeWarning, match="no longer slices of one stack"):
+            torch.testing.assert_close(compiled(x), model(x))
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_recompile_finds_the_weights_already_stacked(monkeypatch):
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
+    seen = _inner_graphs(monkeypatch)
+    torch._dynamo.reset()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR, dynamic=False)
+        compiled(x)
+        longer = torch.randn(1, x.shape[1] + 3, x.shape[2])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no per-call stacking: the second graph finds the stacks
+            torch.testing.assert_close(compiled(longer), model(longer))
+    assert [_moe_calls(g) for g in seen] == [["stacked"], ["stacked"]]
+
+
+def test_cuda_graph_modes_keep_the_lists():
+    assert backend._host_side_inputs("inductor", None)
+    assert backend._host_side_inputs("eager", None)
+    assert not backend._host_side_inputs("inductor", "reduce-overhead")
+    assert not backend._host_side_inputs("inductor", "max-autotune")
+    assert not backend._host_side_inputs(lambda gm, inputs: gm, None), "an unknown inner backend keeps the lists"
+
+
+def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch):
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
+    experts = _experts(model)
+    compile_inner = backend._compile_inner
+
+    def failing_on_fused(compiler, inner, graph, example_inputs, mode):
+        if _moe_calls(graph):
+            raise RuntimeError("inner backend broke")
+        return compile_inner(compiler, inner, graph, example_inputs, mode)
+
+    monkeypatch.setattr(backend, "_compile_inner", failing_on_fused)
+    torch._dynamo.reset()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
+        with pytest.warns(RuntimeWarning, match="inner backend failed"):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert _stacked_view([e.w1.weight for e in experts]) is None
+    assert all(e.w1.weight.storage_offset() == 0 for e in experts)
+
+
+def test_addresses_alone_never_read_separate_tensors_as_one():
+    """Separate allocations at the recorded addresses (as if the stack were freed and its memory reused)."""
+    separate = [torch.randn(3, 2) for _ in range(4)]
+    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in separate), (4, 3, 2), (6, 2, 1))
+    with pytest.warns(RuntimeWarning, match="stacked on every call"):
+        stack = InputPlan((), (group,)).inner_inputs(separate)[0]
+    assert torch.equal(stack, torch.stack(separate))
+    stacked = list(torch.randn(4, 3, 2).unbind(0))
+    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in stacked), (4, 3, 2), (6, 2, 1))
+    assert group.stack(stacked).data_ptr() == stacked[0].data_ptr()
