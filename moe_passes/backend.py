@@ -30,7 +30,7 @@ from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import format_graph, node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord, next_graph_index, publish
 from .restack import restack_weight_lists, unstack
-from .stacked_inputs import find_list_calls, take_stacks, with_stacked_inputs
+from .stacked_inputs import Taken, find_list_calls, take_stacks, with_stacked_inputs
 from .steps import Steps, count, keep_graph_texts, trace_artifact
 from .subclass_inputs import SubclassOutput
 from .verify import compare_rewrite
@@ -143,7 +143,7 @@ def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: in
         num_experts=match.num_experts,
         top_k=match.top_k,
         activation=match.activation,
-        overload=f"{node.target._schema.name}.{node.target._overloadname}",
+        overload=_overload_name(node.target),
         target=target,
         routing=routing_text(accepted.routing),
         graph=graph_index,
@@ -233,18 +233,18 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     taken = None
     try:
         inputs = example_inputs
-        if target == "portable" and _host_side_inputs(opts.inner, mode):
+        if target == "portable" and _takes_stacks(opts.inner):
             taken = _take_stacks(graph, example_inputs, record)
             if taken is not None:
-                inputs = taken[0]
+                inputs = taken.inputs
         with Steps(record).step("inner compile"):
             compiled = _compile_inner(compiler, opts.inner, graph, inputs, mode)
         if target == "portable":
             _restack(graph, inputs, record)
-        return compiled if taken is None else with_stacked_inputs(compiled, taken[1])
+        return compiled if taken is None else with_stacked_inputs(compiled, taken.plan)
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
         if taken is not None:  # the captured graph's inputs are laid out as dynamo recorded them again
-            unstack([example_inputs[i] for group in taken[1].groups for i in group.positions])
+            unstack([example_inputs[i] for group in taken.plan.groups for i in group.positions])
         record.fallback = (
             f"the inner backend failed on the rewritten graph, compiled the captured one instead: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -283,38 +283,28 @@ def _record_restacked(record: GraphRecord, moved: dict) -> None:
     log.info("moved %d per-expert weights into stacks for the portable op", sum(moved.values()))
 
 
-def _host_side_inputs(inner, mode) -> bool:
-    """Whether the inner compiler's code reads its inputs on the host on every call (no CUDA graph
-    replay), so taking weight lists as stacks (stacked_inputs.py) saves per-call work. Only inner
-    backends known not to specialise on input addresses qualify."""
-    name = inner_name(inner)
-    if name in ("eager", "aot_eager"):
-        return True
-    if name != "inductor":
-        return False
-    if mode and mode != "default":
-        from torch._inductor import list_mode_options
-
-        if list_mode_options(mode).get("triton.cudagraphs"):
-            return False
-    from torch._inductor import config
-
-    return not config.triton.cudagraphs
+def _takes_stacks(inner) -> bool:
+    """Whether the inner backend may be handed the graph with weight lists taken as stacks
+    (stacked_inputs.py): those that compile any graph of aten ops, not a user's callable that may
+    expect the captured inputs."""
+    return inner_name(inner) in ("inductor", "eager", "aot_eager")
 
 
-def _take_stacks(graph: torch.fx.GraphModule, example_inputs, record: GraphRecord):
-    """Let the graph take the portable calls' per-expert weight lists as stacks (stacked_inputs.py).
-
-    Returns (the inner graph's example inputs, the input plan), or None where no call qualifies.
-    """
+def _take_stacks(graph: torch.fx.GraphModule, example_inputs, record: GraphRecord) -> Taken | None:
+    """Let the graph take the portable calls' per-expert weight lists as stacks (stacked_inputs.py)."""
     taken = take_stacks(graph, example_inputs, find_list_calls(graph, example_inputs))
     if taken is None:
         return None
-    inputs, plan, moved = taken
-    _record_restacked(record, moved)
-    count("stacked_inputs", len(plan.groups))
-    log.info("the compiled graph takes %d per-expert weight lists as stacks", len(plan.groups))
-    return inputs, plan
+    _record_restacked(record, taken.moved)
+    compiled_as = {old.meta.get(LAYER_META): _overload_name(new.target) for old, new in taken.replaced.items()}
+    record.fused[:] = [dataclasses.replace(f, compiled_as=compiled_as.get(f.layer)) for f in record.fused]
+    count("stacked_inputs", len(taken.plan.groups))
+    log.info("the compiled graph takes %d per-expert weight lists as stacks", len(taken.plan.groups))
+    return taken
+
+
+def _overload_name(op: torch._ops.OpOverload) -> str:
+    return f"{op._schema.name}.{op._overloadname}"
 
 
 def _compile_captured(compiler, inner, gm, example_inputs, mode, record: GraphRecord):

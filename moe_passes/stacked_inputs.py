@@ -1,21 +1,21 @@
-"""The compiled graph takes a fused layer's per-expert weight lists as stacks, rebuilt on each call as views.
+"""The compiled graph takes a fused layer's per-expert weight lists as stacks, found on each call as views.
 
-Why: a ModuleList layer hands the portable op 3 x E separate graph inputs, and without CUDA graphs each
-of them costs on every call: inductor's generated code asserts every input's size and stride, the call
-marshals three E-long lists, and the op checks again that each list is one stack. Here the inner graph
-takes one [E, ...] input per list instead, and the compiled callable finds it on each call from the
-caller's tensors themselves (`fused_op._stacked_view`: one pass over addresses and metadata), so the
-inner graph sees 3 inputs where it saw 3 x E, and calls the stacked overload.
+Why: a ModuleList layer hands the portable op 3 x E separate graph inputs, and each costs on every call:
+inductor's generated code asserts every input's size and stride, the call marshals three E-long lists,
+the op checks again that each list is one stack, and a CUDA graph replay checks every static input's
+address. Here the inner graph takes one [E, ...] input per list and calls the stacked overload; the
+callable handed back to dynamo finds each stack from the caller's tensors on every call (their
+addresses, compared with those recorded at compile time: dynamo's guards have checked their shapes,
+strides and dtypes already).
 
-Nothing goes stale: the stack is derived from the parameters on every call, so an in-place update is
-read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the tensors
-are stacked per call (a copy: right, slower, warned once).
+Nothing goes stale: the stack is a view built from the parameters on every call, so an in-place update
+is read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the
+tensors are stacked on each call (a copy: right, slower, with a warning).
 
 Where: calls of the portable op's list overloads whose every weight list is made of graph inputs used by
 that call alone, each list either one stack already or movable into one (`restack.movable`, moved here,
-before the inner compile, which never sees those inputs). Not where the compiled code replays CUDA
-graphs: a replay takes parameters' addresses as fixed but would copy a per-call input into its static
-buffer on every replay.
+before the inner compile, which never sees those inputs). The stack inputs are marked static, as
+parameters are, so CUDA graph replays read them in place (and re-record if one ever moves).
 """
 
 from __future__ import annotations
@@ -77,7 +77,19 @@ class InputPlan:
         return [args[i] for i in self.kept] + [group.stack(args) for group in self.groups]
 
 
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """What `take_stacks` did: the inner graph's example inputs, the input plan, tensors moved into
+    stacks per fused call, and each fused call's stacked replacement."""
+
+    inputs: list
+    plan: InputPlan
+    moved: dict[Node, int]
+    replaced: dict[Node, Node]
+
+
 _data_ptr = torch.Tensor.data_ptr
+STATIC_INPUT_TYPE = "_dynamo_static_input_type"  # how dynamo marks an input AOTAutograd treats as static
 
 
 def _stack_of(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -124,10 +136,10 @@ def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]
 
 
 def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]):
-    """Rewrite `gm` in place so each found list is one stacked input; returns (inner inputs, plan, moved).
+    """Rewrite `gm` in place so each found list is one stacked input, or return None.
 
     Movable lists are moved into stacks here (`restack`): the inner graph no longer has those inputs, so
-    their new storage offsets reach no compiler. `moved` counts the tensors moved, per call node.
+    their new storage offsets reach no compiler.
     """
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
@@ -135,6 +147,7 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
     if fake_mode is None or not found:
         return None
     moved: dict[Node, int] = {}
+    replaced: dict[Node, Node] = {}
     groups: list[StackedGroup] = []
     stacks: list[torch.Tensor] = []
     last = placeholders[-1]
@@ -152,6 +165,9 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
             last.meta["val"] = fake_mode.from_tensor(stack, static_shapes=True)
             if hasattr(placeholders[0], "_dynamo_source"):
                 last._dynamo_source = None  # an input dynamo never saw: AOTAutograd takes None as "no source"
+            # A fixed address, as parameters have: CUDA graph replays read it in place (and re-record
+            # if it ever moves) instead of copying the stack into the graph's buffer on every replay.
+            last.meta["tensor_dict"] = {STATIC_INPUT_TYPE: "unguarded"}
             values[name] = last
             addresses = tuple(map(_data_ptr, tensors))
             groups.append(StackedGroup(positions, addresses, tuple(stack.shape), stack.stride()))
@@ -162,6 +178,7 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
         with graph.inserting_after(item.call):
             replacement = graph.call_function(overload, args)
         replacement.meta.update(item.call.meta)
+        replaced[item.call] = replacement
         item.call.replace_all_uses_with(replacement)
         graph.erase_node(item.call)
         for node in list_nodes:
@@ -169,7 +186,7 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
     dropped = {i for group in groups for i in group.positions}
     plan = InputPlan(tuple(i for i in range(len(example_inputs)) if i not in dropped), tuple(groups))
     gm.recompile()
-    return [example_inputs[i] for i in plan.kept] + stacks, plan, moved
+    return Taken([example_inputs[i] for i in plan.kept] + stacks, plan, moved, replaced)
 
 
 def with_stacked_inputs(compiled, plan: InputPlan):

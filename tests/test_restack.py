@@ -28,6 +28,7 @@ def test_modulelist_weights_become_one_stack_and_stay_right_when_changed():
         torch.testing.assert_close(compiled(x), expected)
         assert [f.restacked for f in report.fused] == [12, 12], str(report)
         assert "12 per-expert weights moved into stacks" in str(report)
+        assert "compiled as moe_passes::mixture_of_experts.stacked on stacked inputs" in str(report)
         for role in ("w1", "w2", "w3"):
             assert _stacked_view([getattr(e, role).weight for e in experts]) is not None, role
         assert [e.w1.weight.data_ptr() for e in experts] != before

@@ -1,4 +1,4 @@
-"""Without CUDA graphs, the compiled graph takes a ModuleList layer's weight lists as stacks found per call."""
+"""The compiled graph takes a ModuleList layer's weight lists as stacks found per call."""
 
 from __future__ import annotations
 
@@ -77,12 +77,17 @@ def test_a_recompile_finds_the_weights_already_stacked(monkeypatch):
     assert [_moe_calls(g) for g in seen] == [["stacked"], ["stacked"]]
 
 
-def test_cuda_graph_modes_keep_the_lists():
-    assert backend._host_side_inputs("inductor", None)
-    assert backend._host_side_inputs("eager", None)
-    assert not backend._host_side_inputs("inductor", "reduce-overhead")
-    assert not backend._host_side_inputs("inductor", "max-autotune")
-    assert not backend._host_side_inputs(lambda gm, inputs: gm, None), "an unknown inner backend keeps the lists"
+def test_stack_inputs_are_static_and_user_backends_keep_the_lists(monkeypatch):
+    assert backend._takes_stacks("inductor") and backend._takes_stacks("eager")
+    assert not backend._takes_stacks(lambda gm, inputs: gm), "a user's backend gets the inputs dynamo captured"
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
+    seen = _inner_graphs(monkeypatch)
+    torch._dynamo.reset()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)(x)
+    stacks = [p for p in seen[0].graph.find_nodes(op="placeholder") if p.name.endswith("_stack")]
+    assert len(stacks) == 3
+    assert all(p.meta["tensor_dict"]["_dynamo_static_input_type"] for p in stacks)
 
 
 def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch):
@@ -115,3 +120,23 @@ def test_addresses_alone_never_read_separate_tensors_as_one():
     stacked = list(torch.randn(4, 3, 2).unbind(0))
     group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in stacked), (4, 3, 2), (6, 2, 1))
     assert group.stack(stacked).data_ptr() == stacked[0].data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_read_the_stacks_in_place():
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4, dtype=torch.bfloat16)
+    model, x = model.cuda(), x.cuda()
+    experts = _experts(model)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, mode="reduce-overhead")
+        for _ in range(3):  # warm-up, record, replay
+            torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
+        assert counters[COUNTERS]["stacked_inputs"] == 3
+        experts[1].w2.weight.mul_(3)  # in place: the replay reads it
+        torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
+        experts[0].w1.weight.data = experts[0].w1.weight.data.clone()  # pointed elsewhere: stacked per call
+        with pytest.warns(RuntimeWarning, match="stacked on every call"):
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
