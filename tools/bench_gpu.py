@@ -14,6 +14,7 @@ both ceilings measured in this run. Each time is the median over calls timed wit
 rotated so routing (and so the weights read) change every call.
 
     python tools/bench_gpu.py --json docs/bench/gpu.json --plot docs/bench/gpu.png --markdown docs/bench/gpu.md
+    python tools/bench_gpu.py --render run1.json run2.json --markdown gpu.md   # saved runs, no GPU
 """
 
 from __future__ import annotations
@@ -220,6 +221,9 @@ def markdown(result: dict) -> str:
             f"torch.compile mode {result.get('mode', 'default')!r}, "
             f"{result['date']}; HBM {result['ceilings']['hbm_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
             f"{result['ceilings']['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s measured in the same run.")
+    if len(result.get("commands", [])) > 1:
+        head += (f" Rows from {len(result['commands'])} runs (one per model); the ceilings above are the first run's,"
+                 " each row's limit uses its own run's.")
     lines = [head, "",
              "| model | T | limit ms | " + " | ".join(f"{f} ms" for f in ORIGINAL)
              + " | hpu_moe ms (slowest form) | best original / hpu_moe | hpu_moe / limit |",
@@ -278,7 +282,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.add_argument("--markdown")
+    parser.add_argument("--render", nargs="*", default=[],
+                        help="no run: tables and plot from these saved runs' JSON (rows in order, header of the first)")
     args = parser.parse_args(argv)
+    if args.render:
+        return render(args)
     import transformers
 
     deadline = time.time() + args.budget_s
@@ -293,9 +301,17 @@ def main(argv=None) -> int:
           f"bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
         result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode, args.forms)
+        if args.json:  # after each model: a run the device's time limit stops keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     for path in args.merge:  # one model per run keeps each run under the device's time limit
         with open(path) as f:
             result["rows"] += json.load(f)["rows"]
+    write(result, args)
+    return 0
+
+
+def write(result: dict, args) -> None:
     text = markdown(result)
     print(text)
     if args.json:
@@ -306,6 +322,17 @@ def main(argv=None) -> int:
             f.write(text)
     if args.plot:
         plot(result, args.plot)
+
+
+def render(args) -> int:
+    """The tables and plot of saved runs (one model each, say), without a GPU."""
+    runs = []
+    for path in args.render:
+        with open(path) as f:
+            runs.append(json.load(f))
+    result = {**runs[0], "rows": [row for run in runs for row in run["rows"]],
+              "commands": [run.get("command") for run in runs]}
+    write(result, args)
     return 0
 
 

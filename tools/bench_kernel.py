@@ -3,8 +3,9 @@
 For one MoE layer at Mixtral-8x7B and Qwen3-30B-A3B sizes (bfloat16, random routing that changes
 every call, so weights come from HBM and not from L2), prints the kernel's time, the portable op's
 grouped-matmul path and the physical limit max(routed weight bytes / HBM bandwidth, FLOPs / matmul
-throughput), both ceilings measured at the start of the same run. `--sweep` times every tile
-configuration of a small grid at each size (the data behind `moe_passes/kernels/config.py`).
+throughput), both ceilings measured at the start of the same run. `--sweep` searches the tile
+configurations at each size, one GEMM at a time (the data behind `moe_passes/kernels/config.py`);
+`--profile` splits one call into its kernels.
 
     python tools/bench_kernel.py                # check + time
     python tools/bench_kernel.py --sweep --tokens 1 16 128
