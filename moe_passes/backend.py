@@ -230,13 +230,14 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     if graph is gm:
         with Steps(record).step("inner compile"):
             return _compile_captured(compiler, opts.inner, gm, example_inputs, mode, record)
-    taken = None
+    taken, stage = None, "taking the weight lists as stacked inputs"
     try:
         inputs = example_inputs
         if target == "portable" and _takes_stacks(opts.inner):
             taken = _take_stacks(graph, example_inputs, record)
             if taken is not None:
                 inputs = taken.inputs
+        stage = "the inner backend"
         with Steps(record).step("inner compile"):
             compiled = _compile_inner(compiler, opts.inner, graph, inputs, mode)
         if target == "portable":
@@ -245,14 +246,12 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
         if taken is not None:  # the captured graph's inputs are laid out as dynamo recorded them again
             unstack([example_inputs[i] for group in taken.plan.groups for i in group.positions])
+        why = f"{stage} failed on the rewritten graph"
         record.fallback = (
-            f"the inner backend failed on the rewritten graph, compiled the captured one instead: "
+            f"{why}, compiled the captured one instead: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         )
-        record.declined.extend(
-            Declined(f.layer, f.form, "the inner backend failed on the rewritten graph", record.index)
-            for f in record.fused
-        )
+        record.declined.extend(Declined(f.layer, f.form, why, record.index) for f in record.fused)
         record.fused.clear()
         record.rewritten = None
         warnings.warn(f"hpu_moe: {record.fallback}", RuntimeWarning, stacklevel=2)

@@ -30,7 +30,7 @@ from torch.fx import GraphModule, Node
 
 from . import lowering
 from .fused_op import _stacked_view
-from .restack import LIST_ARGUMENTS, fused_list_calls, movable, restack
+from .restack import LIST_ARGUMENTS, fused_list_calls, movable, restack, unstack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,18 +135,35 @@ def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]
     return found
 
 
-def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]):
+def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]) -> Taken | None:
     """Rewrite `gm` in place so each found list is one stacked input, or return None.
 
     Movable lists are moved into stacks here (`restack`): the inner graph no longer has those inputs, so
-    their new storage offsets reach no compiler.
+    their new storage offsets reach no compiler. Should anything fail, the moved tensors get their own
+    allocations back before the error propagates, so the captured graph still compiles as dynamo saw it.
     """
-    graph = gm.graph
-    placeholders = graph.find_nodes(op="placeholder")
+    placeholders = gm.graph.find_nodes(op="placeholder")
     fake_mode = detect_fake_mode([node.meta.get("val") for node in placeholders])
     if fake_mode is None or not found:
         return None
-    moved: dict[Node, int] = {}
+    moved: dict[Node, list[torch.Tensor]] = {}
+    try:
+        for item in found:
+            for positions in item.lists.values():
+                tensors = [example_inputs[i] for i in positions]
+                if _stacked_view(tensors) is None:
+                    restack(tensors)
+                    moved.setdefault(item.call, []).extend(tensors)
+        return _rewrite(gm, example_inputs, found, fake_mode, moved)
+    except Exception:
+        unstack([t for tensors in moved.values() for t in tensors])
+        raise
+
+
+def _rewrite(gm: GraphModule, example_inputs: Sequence, found: list[ListCall], fake_mode, moved) -> Taken:
+    """Each found call becomes its stacked overload on new stack inputs; the list inputs are removed."""
+    graph = gm.graph
+    placeholders = graph.find_nodes(op="placeholder")
     replaced: dict[Node, Node] = {}
     groups: list[StackedGroup] = []
     stacks: list[torch.Tensor] = []
@@ -156,9 +173,6 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
         list_nodes = [node for name in item.lists for node in values[name]]
         for name, positions in item.lists.items():
             tensors = [example_inputs[i] for i in positions]
-            if _stacked_view(tensors) is None:
-                restack(tensors)
-                moved[item.call] = moved.get(item.call, 0) + len(tensors)
             stack = _stacked_view(tensors)
             with graph.inserting_after(last):
                 last = graph.placeholder(f"{item.call.name}_{name}_stack")
@@ -169,14 +183,12 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
             # if it ever moves) instead of copying the stack into the graph's buffer on every replay.
             last.meta["tensor_dict"] = {STATIC_INPUT_TYPE: "unguarded"}
             values[name] = last
-            addresses = tuple(map(_data_ptr, tensors))
-            groups.append(StackedGroup(positions, addresses, tuple(stack.shape), stack.stride()))
+            groups.append(StackedGroup(positions, tuple(map(_data_ptr, tensors)), tuple(stack.shape), stack.stride()))
             stacks.append(stack)
-        stacked = lowering.stacked_overload("portable", item.call.target._overloadname)
-        overload = getattr(item.call.target.overloadpacket, stacked)
-        args = tuple(values[a.name] for a in overload._schema.arguments)
+        overload = getattr(item.call.target.overloadpacket,
+                           lowering.stacked_overload("portable", item.call.target._overloadname))
         with graph.inserting_after(item.call):
-            replacement = graph.call_function(overload, args)
+            replacement = graph.call_function(overload, tuple(values[a.name] for a in overload._schema.arguments))
         replacement.meta.update(item.call.meta)
         replaced[item.call] = replacement
         item.call.replace_all_uses_with(replacement)
@@ -186,7 +198,8 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
     dropped = {i for group in groups for i in group.positions}
     plan = InputPlan(tuple(i for i in range(len(example_inputs)) if i not in dropped), tuple(groups))
     gm.recompile()
-    return Taken([example_inputs[i] for i in plan.kept] + stacks, plan, moved, replaced)
+    counts = {call: len(tensors) for call, tensors in moved.items()}
+    return Taken([example_inputs[i] for i in plan.kept] + stacks, plan, counts, replaced)
 
 
 def with_stacked_inputs(compiled, plan: InputPlan):

@@ -140,3 +140,21 @@ def test_cuda_graph_replays_read_the_stacks_in_place():
         with pytest.warns(RuntimeWarning, match="stacked on every call"):
             for _ in range(2):
                 torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
+
+
+def test_a_failure_while_taking_stacks_gives_the_weights_back(monkeypatch):
+    from moe_passes import stacked_inputs
+
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
+    experts = _experts(model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("rewrite broke")
+
+    monkeypatch.setattr(stacked_inputs, "_rewrite", broken)
+    torch._dynamo.reset()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
+        with pytest.warns(RuntimeWarning, match="taking the weight lists as stacked inputs failed.*rewrite broke"):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert all(e.w1.weight.storage_offset() == 0 for e in experts)
