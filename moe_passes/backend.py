@@ -244,8 +244,8 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
             _restack(graph, inputs, record)
         return compiled if taken is None else with_stacked_inputs(compiled, taken.plan)
     except Exception as error:  # noqa: BLE001 - the captured graph still compiles: never break the user
-        if taken is not None:  # the captured graph's inputs are laid out as dynamo recorded them again
-            unstack([example_inputs[i] for group in taken.plan.groups for i in group.positions])
+        if taken is not None:  # what this compile moved is laid out as dynamo recorded it again
+            unstack([t for tensors in taken.moved.values() for t in tensors])
         why = f"{stage} failed on the rewritten graph"
         record.fallback = (
             f"{why}, compiled the captured one instead: "
@@ -294,7 +294,7 @@ def _take_stacks(graph: torch.fx.GraphModule, example_inputs, record: GraphRecor
     taken = take_stacks(graph, example_inputs, find_list_calls(graph, example_inputs))
     if taken is None:
         return None
-    _record_restacked(record, taken.moved)
+    _record_restacked(record, {call: len(tensors) for call, tensors in taken.moved.items()})
     compiled_as = {old.meta.get(LAYER_META): _overload_name(new.target) for old, new in taken.replaced.items()}
     record.fused[:] = [dataclasses.replace(f, compiled_as=compiled_as.get(f.layer)) for f in record.fused]
     count("stacked_inputs", len(taken.plan.groups))

@@ -4,9 +4,9 @@ Why: a ModuleList layer hands the portable op 3 x E separate graph inputs, and e
 inductor's generated code asserts every input's size and stride, the call marshals three E-long lists,
 the op checks again that each list is one stack, and a CUDA graph replay checks every static input's
 address. Here the inner graph takes one [E, ...] input per list and calls the stacked overload; the
-callable handed back to dynamo finds each stack from the caller's tensors on every call (their
-addresses, compared with those recorded at compile time: dynamo's guards have checked their shapes,
-strides and dtypes already).
+callable handed back to dynamo finds each stack from the caller's tensors on every call: their
+addresses, shapes, strides and dtypes are compared with those recorded at compile time (one pass over
+each list; guards cannot be relied on for this, a `guard_filter_fn` may drop them).
 
 Nothing goes stale: the stack is a view built from the parameters on every call, so an in-place update
 is read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the
@@ -21,6 +21,7 @@ parameters are, so CUDA graph replays read them in place (and re-record if one e
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from collections.abc import Sequence
 
@@ -43,27 +44,36 @@ class ListCall:
 
 @dataclasses.dataclass(frozen=True)
 class StackedGroup:
-    """Caller inputs that the inner graph takes as one stack, and where that stack lay when compiled."""
+    """Caller inputs the inner graph takes as one stack, and where and how that stack lay when compiled."""
 
     positions: tuple[int, ...]
     addresses: tuple[int, ...]
-    size: tuple[int, ...]
+    size: tuple[int, ...]  # of the stack
     stride: tuple[int, ...]
+    dtype: torch.dtype
 
     def stack(self, args: Sequence) -> torch.Tensor:
-        """The stack the inputs are slices of. Fast path: they are where they were at compile time.
-
-        Only the addresses need a look: dynamo's guards have checked each input's shape, stride and
-        dtype before this runs, and the view is taken over the first input's storage, whose bounds
-        torch checks, so separate allocations that happen to lie at those addresses are never read as one.
-        """
+        """The stack the inputs are slices of: a view where each input is where, and as, it was at compile
+        time (address, shape, stride, dtype: checked here too, since guards can be filtered away), taken
+        over the first input's storage, whose bounds torch checks, so separate allocations that happen to
+        lie at those addresses are never read as one. Else a copy, laid out as the compiled graph expects."""
         tensors = [args[i] for i in self.positions]
-        if tuple(map(_data_ptr, tensors)) == self.addresses:
+        size, stride = self.size[1:], self.stride[1:]
+        if (
+            tuple(map(_data_ptr, tensors)) == self.addresses
+            and all(map(size.__eq__, map(_size, tensors)))
+            and all(map(stride.__eq__, map(_stride, tensors)))
+            and all(map(self.dtype.__eq__, map(_dtype, tensors)))
+        ):
             try:
                 return tensors[0].as_strided(self.size, self.stride, tensors[0].storage_offset())
             except RuntimeError:  # past the end of the first input's storage: not one stack any more
                 pass
-        return _stack_of(tensors)
+        stack = _stack_of(tensors)
+        if stack.shape != self.size or stack.stride() != self.stride:
+            laid_out = torch.empty_strided(self.size, self.stride, dtype=stack.dtype, device=stack.device)
+            stack = laid_out.copy_(stack)
+        return stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +89,18 @@ class InputPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Taken:
-    """What `take_stacks` did: the inner graph's example inputs, the input plan, tensors moved into
-    stacks per fused call, and each fused call's stacked replacement."""
+    """What `take_stacks` did: the inner graph's example inputs (the stacks themselves: AOTAutograd finds
+    their static fake values by identity), the input plan, the tensors this compile moved into stacks
+    per fused call, and each fused call's stacked replacement."""
 
     inputs: list
     plan: InputPlan
-    moved: dict[Node, int]
+    moved: dict[Node, list[torch.Tensor]]
     replaced: dict[Node, Node]
 
 
-_data_ptr = torch.Tensor.data_ptr
+_data_ptr, _size, _stride = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
+_dtype = operator.attrgetter("dtype")
 STATIC_INPUT_TYPE = "_dynamo_static_input_type"  # how dynamo marks an input AOTAutograd treats as static
 
 
@@ -136,11 +148,12 @@ def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]
 
 
 def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]) -> Taken | None:
-    """Rewrite `gm` in place so each found list is one stacked input, or return None.
+    """Rewrite `gm` in place so each found list is one stacked input, or return None (nothing changed).
 
     Movable lists are moved into stacks here (`restack`): the inner graph no longer has those inputs, so
-    their new storage offsets reach no compiler. Should anything fail, the moved tensors get their own
-    allocations back before the error propagates, so the captured graph still compiles as dynamo saw it.
+    their new storage offsets reach no compiler. Everything the rewrite needs is worked out before the
+    graph changes: a failure there moves the tensors back and leaves the lists (with a warning); one while
+    changing the graph moves them back and propagates, and the backend compiles the captured graph.
     """
     placeholders = gm.graph.find_nodes(op="placeholder")
     fake_mode = detect_fake_mode([node.meta.get("val") for node in placeholders])
@@ -154,56 +167,83 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
                 if _stacked_view(tensors) is None:
                     restack(tensors)
                     moved.setdefault(item.call, []).extend(tensors)
-        return _rewrite(gm, example_inputs, found, fake_mode, moved)
+        prepared = [_prepare(item, example_inputs, fake_mode) for item in found]
+    except Exception as error:  # noqa: BLE001 - the lists still work: keep them
+        unstack([t for tensors in moved.values() for t in tensors])
+        warnings.warn(f"hpu_moe: internal error while taking weight lists as stacked inputs, lists kept: "
+                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        return _rewrite(gm, example_inputs, prepared, moved)
     except Exception:
         unstack([t for tensors in moved.values() for t in tensors])
         raise
 
 
-def _rewrite(gm: GraphModule, example_inputs: Sequence, found: list[ListCall], fake_mode, moved) -> Taken:
-    """Each found call becomes its stacked overload on new stack inputs; the list inputs are removed."""
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """One call's rewrite, worked out: its stacked overload and, per list, the stack and its fake value."""
+
+    item: ListCall
+    overload: torch._ops.OpOverload
+    stacks: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _prepare(item: ListCall, example_inputs: Sequence, fake_mode) -> _Prepared:
+    stacks = {}
+    for name, positions in item.lists.items():
+        stack = _stacked_view([example_inputs[i] for i in positions])
+        stacks[name] = (stack, fake_mode.from_tensor(stack, static_shapes=True))
+    stacked = lowering.stacked_overload("portable", item.call.target._overloadname)
+    return _Prepared(item, getattr(item.call.target.overloadpacket, stacked), stacks)
+
+
+def _rewrite(gm: GraphModule, example_inputs: Sequence, prepared: list[_Prepared], moved) -> Taken:
+    """Each prepared call becomes its stacked overload on new stack inputs; the list inputs are removed."""
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
+    from_dynamo = hasattr(placeholders[0], "_dynamo_source")
     replaced: dict[Node, Node] = {}
     groups: list[StackedGroup] = []
     stacks: list[torch.Tensor] = []
     last = placeholders[-1]
-    for item in found:
-        values = dict(zip((a.name for a in item.call.target._schema.arguments), item.call.args, strict=False))
-        list_nodes = [node for name in item.lists for node in values[name]]
-        for name, positions in item.lists.items():
-            tensors = [example_inputs[i] for i in positions]
-            stack = _stacked_view(tensors)
+    for ready in prepared:
+        call = ready.item.call
+        values = dict(zip((a.name for a in call.target._schema.arguments), call.args, strict=False))
+        list_nodes = [node for name in ready.item.lists for node in values[name]]
+        for name, positions in ready.item.lists.items():
+            stack, fake = ready.stacks[name]
             with graph.inserting_after(last):
-                last = graph.placeholder(f"{item.call.name}_{name}_stack")
-            last.meta["val"] = fake_mode.from_tensor(stack, static_shapes=True)
-            if hasattr(placeholders[0], "_dynamo_source"):
+                last = graph.placeholder(f"{call.name}_{name}_stack")
+            last.meta["val"] = fake
+            if from_dynamo:
                 last._dynamo_source = None  # an input dynamo never saw: AOTAutograd takes None as "no source"
             # A fixed address, as parameters have: CUDA graph replays read it in place (and re-record
             # if it ever moves) instead of copying the stack into the graph's buffer on every replay.
             last.meta["tensor_dict"] = {STATIC_INPUT_TYPE: "unguarded"}
             values[name] = last
-            groups.append(StackedGroup(positions, tuple(map(_data_ptr, tensors)), tuple(stack.shape), stack.stride()))
+            addresses = tuple(map(_data_ptr, [example_inputs[i] for i in positions]))
+            groups.append(
+                StackedGroup(positions, addresses, tuple(stack.shape), stack.stride(), stack.dtype)
+            )
             stacks.append(stack)
-        overload = getattr(item.call.target.overloadpacket,
-                           lowering.stacked_overload("portable", item.call.target._overloadname))
-        with graph.inserting_after(item.call):
-            replacement = graph.call_function(overload, tuple(values[a.name] for a in overload._schema.arguments))
-        replacement.meta.update(item.call.meta)
-        replaced[item.call] = replacement
-        item.call.replace_all_uses_with(replacement)
-        graph.erase_node(item.call)
+        with graph.inserting_after(call):
+            arguments = tuple(values[a.name] for a in ready.overload._schema.arguments)
+            replacement = graph.call_function(ready.overload, arguments)
+        replacement.meta.update(call.meta)
+        replaced[call] = replacement
+        call.replace_all_uses_with(replacement)
+        graph.erase_node(call)
         for node in list_nodes:
             graph.erase_node(node)
     dropped = {i for group in groups for i in group.positions}
     plan = InputPlan(tuple(i for i in range(len(example_inputs)) if i not in dropped), tuple(groups))
     gm.recompile()
-    counts = {call: len(tensors) for call, tensors in moved.items()}
-    return Taken([example_inputs[i] for i in plan.kept] + stacks, plan, counts, replaced)
+    return Taken([example_inputs[i] for i in plan.kept] + stacks, plan, moved, replaced)
 
 
 def with_stacked_inputs(compiled, plan: InputPlan):
-    """The callable dynamo calls (with the captured graph's inputs): derives the stacks, then runs `compiled`."""
+    """The callable dynamo calls with the captured graph's inputs: finds the stacks, then runs `compiled`."""
 
     def run(*args):
         return compiled(*plan.inner_inputs(args))

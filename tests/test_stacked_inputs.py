@@ -34,6 +34,13 @@ def _inner_graphs(monkeypatch) -> list[torch.fx.GraphModule]:
     return seen
 
 
+def _assert_own_allocations(experts):
+    for role in ("w1", "w2", "w3"):
+        weights = [getattr(e, role).weight for e in experts]
+        assert _stacked_view(weights) is None, role
+        assert all(w.storage_offset() == 0 for w in weights), role
+
+
 def _moe_calls(graph):
     return [n.target._overloadname for n in graph.graph.nodes if getattr(n.target, "namespace", None) == "moe_passes"]
 
@@ -71,13 +78,13 @@ def test_a_recompile_finds_the_weights_already_stacked(monkeypatch):
         compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR, dynamic=False)
         compiled(x)
         longer = torch.randn(1, x.shape[1] + 3, x.shape[2])
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no per-call stacking: the second graph finds the stacks
+        with warnings.catch_warnings():  # no per-call stacking: the second graph finds the stacks
+            warnings.filterwarnings("error", message=".*stacked on every call")
             torch.testing.assert_close(compiled(longer), model(longer))
     assert [_moe_calls(g) for g in seen] == [["stacked"], ["stacked"]]
 
 
-def test_stack_inputs_are_static_and_user_backends_keep_the_lists(monkeypatch):
+def test_stack_inputs_carry_dynamos_static_mark_and_user_backends_keep_the_lists(monkeypatch):
     assert backend._takes_stacks("inductor") and backend._takes_stacks("eager")
     assert not backend._takes_stacks(lambda gm, inputs: gm), "a user's backend gets the inputs dynamo captured"
     model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
@@ -106,19 +113,18 @@ def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch)
         compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
         with pytest.warns(RuntimeWarning, match="inner backend failed"):
             torch.testing.assert_close(compiled(x), model(x))
-    assert _stacked_view([e.w1.weight for e in experts]) is None
-    assert all(e.w1.weight.storage_offset() == 0 for e in experts)
+    _assert_own_allocations(experts)
 
 
 def test_addresses_alone_never_read_separate_tensors_as_one():
     """Separate allocations at the recorded addresses (as if the stack were freed and its memory reused)."""
     separate = [torch.randn(3, 2) for _ in range(4)]
-    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in separate), (4, 3, 2), (6, 2, 1))
+    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in separate), (4, 3, 2), (6, 2, 1), torch.float32)
     with pytest.warns(RuntimeWarning, match="stacked on every call"):
         stack = InputPlan((), (group,)).inner_inputs(separate)[0]
     assert torch.equal(stack, torch.stack(separate))
     stacked = list(torch.randn(4, 3, 2).unbind(0))
-    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in stacked), (4, 3, 2), (6, 2, 1))
+    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in stacked), (4, 3, 2), (6, 2, 1), torch.float32)
     assert group.stack(stacked).data_ptr() == stacked[0].data_ptr()
 
 
@@ -134,6 +140,7 @@ def test_cuda_graph_replays_read_the_stacks_in_place():
         for _ in range(3):  # warm-up, record, replay
             torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
         assert counters[COUNTERS]["stacked_inputs"] == 3
+        assert counters["inductor"]["cudagraph_skips"] == 0
         experts[1].w2.weight.mul_(3)  # in place: the replay reads it
         torch.testing.assert_close(compiled(x), model(x), atol=2e-2, rtol=2e-2)
         experts[0].w1.weight.data = experts[0].w1.weight.data.clone()  # pointed elsewhere: stacked per call
@@ -157,4 +164,60 @@ def test_a_failure_while_taking_stacks_gives_the_weights_back(monkeypatch):
         compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
         with pytest.warns(RuntimeWarning, match="taking the weight lists as stacked inputs failed.*rewrite broke"):
             torch.testing.assert_close(compiled(x), model(x))
-    assert all(e.w1.weight.storage_offset() == 0 for e in experts)
+    _assert_own_allocations(experts)
+
+
+def test_a_failed_compile_leaves_stacks_it_did_not_make(monkeypatch):
+    """Weights stacked by an earlier compile stay stacked when a later compile falls back."""
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
+    experts = _experts(model)
+    torch._dynamo.reset()
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR, dynamic=False)(x)
+        stacked = {role: _stacked_view([getattr(e, role).weight for e in experts]) for role in ("w1", "w2", "w3")}
+        assert all(s is not None for s in stacked.values())
+        compile_inner = backend._compile_inner
+
+        def failing_on_fused(compiler, inner, graph, example_inputs, mode):
+            if _moe_calls(graph):
+                raise RuntimeError("inner backend broke")
+            return compile_inner(compiler, inner, graph, example_inputs, mode)
+
+        monkeypatch.setattr(backend, "_compile_inner", failing_on_fused)
+        longer = torch.randn(1, x.shape[1] + 3, x.shape[2])
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR, dynamic=False)
+        with pytest.warns(RuntimeWarning, match="inner backend failed"):
+            torch.testing.assert_close(compiled(longer), model(longer))
+    for role, stack in stacked.items():
+        assert _stacked_view([getattr(e, role).weight for e in experts]).data_ptr() == stack.data_ptr(), role
+
+
+def test_a_changed_layout_at_the_same_address_is_read_as_it_is_now():
+    """With parameter guards filtered away, a weight transposed in place (same address, new strides) must
+    not be read through the stack's old layout."""
+    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4, hidden=16, intermediate=16)
+    experts = _experts(model)
+    torch._dynamo.reset()
+    options = {**PORTABLE_INDUCTOR, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=options)
+        torch.testing.assert_close(compiled(x), model(x))
+        weight = experts[2].w1.weight
+        address = weight.data_ptr()
+        weight.data = weight.data.t()  # same storage and address, transposed layout
+        assert weight.data_ptr() == address
+        with pytest.warns(RuntimeWarning, match="stacked on every call"):
+            torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_the_per_call_stack_is_laid_out_as_compiled():
+    """A slow-path stack (tensors no longer one stack) takes the compiled stack's strides, not torch.stack's."""
+    base = torch.randn(3, 2, 4)
+    compiled_layout = base.transpose(0, 1)  # [2, 3, 4], stride (4, 8, 1): slices of a non-contiguous stack
+    tensors = list(compiled_layout.unbind(0))
+    group = StackedGroup((0, 1), tuple(t.data_ptr() for t in tensors), (2, 3, 4), compiled_layout.stride(),
+                         torch.float32)
+    moved = [t.clone() for t in tensors]  # separate allocations: the slow path
+    with pytest.warns(RuntimeWarning, match="stacked on every call"):
+        stack = group.stack(moved)
+    assert stack.stride() == compiled_layout.stride() and torch.equal(stack, compiled_layout)
