@@ -24,6 +24,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .fused_op import NAMESPACE, _stacked_view
+from .fx_utils import arguments
 
 LIST_ARGUMENTS = ("w1", "w2", "w3", "w12")  # the weight lists of `.default` and `.fused_weights`
 LIST_OVERLOADS = ("default", "fused_weights")
@@ -83,9 +84,9 @@ def restack_weight_lists(graph: Graph, example_inputs) -> dict[Node, int]:
     values = dict(zip(placeholders, example_inputs, strict=True))
     moved = {}
     for call in fused_list_calls(graph):
-        arguments = dict(zip((a.name for a in call.target._schema.arguments), call.args, strict=False))
+        call_args = arguments(call) or {}
         for name in LIST_ARGUMENTS:
-            nodes = arguments.get(name)
+            nodes = call_args.get(name)
             if not isinstance(nodes, list | tuple) or not all(isinstance(n, Node) and n in values for n in nodes):
                 continue
             tensors = [values[n] for n in nodes]

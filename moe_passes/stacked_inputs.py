@@ -4,9 +4,9 @@ Why: a ModuleList layer hands the portable op 3 x E separate graph inputs, and e
 inductor's generated code asserts every input's size and stride, the call marshals three E-long lists,
 the op checks again that each list is one stack, and a CUDA graph replay checks every static input's
 address. Here the inner graph takes one [E, ...] input per list and calls the stacked overload; the
-callable handed back to dynamo finds each stack from the caller's tensors on every call: their
-addresses, shapes, strides and dtypes are compared with those recorded at compile time (one pass over
-each list; guards cannot be relied on for this, a `guard_filter_fn` may drop them).
+callable handed back to dynamo finds each stack from the caller's tensors on every call: they must
+still be consecutive slices of one stack laid out as compiled, each with the same shape, stride and
+dtype (one pass over each list; guards cannot be relied on for this, a `guard_filter_fn` may drop them).
 
 Nothing goes stale: the stack is a view built from the parameters on every call, so an in-place update
 is read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the
@@ -21,7 +21,6 @@ parameters are, so CUDA graph replays read them in place (and re-record if one e
 from __future__ import annotations
 
 import dataclasses
-import operator
 import warnings
 from collections.abc import Sequence
 
@@ -31,6 +30,7 @@ from torch.fx import GraphModule, Node
 
 from . import lowering
 from .fused_op import _stacked_view
+from .fx_utils import arguments
 from .restack import LIST_ARGUMENTS, fused_list_calls, movable, restack, unstack
 
 
@@ -44,36 +44,35 @@ class ListCall:
 
 @dataclasses.dataclass(frozen=True)
 class StackedGroup:
-    """Caller inputs the inner graph takes as one stack, and where and how that stack lay when compiled."""
+    """Caller inputs the inner graph takes as one stack, and how that stack was laid out when compiled."""
 
     positions: tuple[int, ...]
-    addresses: tuple[int, ...]
     size: tuple[int, ...]  # of the stack
     stride: tuple[int, ...]
     dtype: torch.dtype
 
     def stack(self, args: Sequence) -> torch.Tensor:
-        """The stack the inputs are slices of: a view where each input is where, and as, it was at compile
-        time (address, shape, stride, dtype: checked here too, since guards can be filtered away), taken
-        over the first input's storage, whose bounds torch checks, so separate allocations that happen to
-        lie at those addresses are never read as one. Else a copy, laid out as the compiled graph expects."""
+        """The stack the inputs are slices of, as a view where they still are one laid out as compiled
+        (`fused_op._stacked_view` checks every input's address, shape, stride and dtype, on each call:
+        guards can be filtered away); else a copy, laid out as the compiled graph expects."""
         tensors = [args[i] for i in self.positions]
-        size, stride = self.size[1:], self.stride[1:]
-        if (
-            tuple(map(_data_ptr, tensors)) == self.addresses
-            and all(map(size.__eq__, map(_size, tensors)))
-            and all(map(stride.__eq__, map(_stride, tensors)))
-            and all(map(self.dtype.__eq__, map(_dtype, tensors)))
-        ):
-            try:
-                return tensors[0].as_strided(self.size, self.stride, tensors[0].storage_offset())
-            except RuntimeError:  # past the end of the first input's storage: not one stack any more
-                pass
-        stack = _stack_of(tensors)
-        if stack.shape != self.size or stack.stride() != self.stride:
-            laid_out = torch.empty_strided(self.size, self.stride, dtype=stack.dtype, device=stack.device)
-            stack = laid_out.copy_(stack)
-        return stack
+        view = _stacked_view(tensors)
+        if view is not None and self._laid_out_as_compiled(view) and view.dtype == self.dtype:
+            return view
+        warnings.warn(
+            "hpu_moe: per-expert weights are no longer slices of one stack laid out as compiled (a parameter "
+            "was pointed elsewhere); they are stacked on every call until the next compile",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        stack = torch.stack(tensors)
+        if self._laid_out_as_compiled(stack):
+            return stack
+        laid_out = torch.empty_strided(self.size, self.stride, dtype=stack.dtype, device=stack.device)
+        return laid_out.copy_(stack)
+
+    def _laid_out_as_compiled(self, stack: torch.Tensor) -> bool:
+        return stack.shape == self.size and stack.stride() == self.stride
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,22 +98,7 @@ class Taken:
     replaced: dict[Node, Node]
 
 
-_data_ptr, _size, _stride = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
-_dtype = operator.attrgetter("dtype")
 STATIC_INPUT_TYPE = "_dynamo_static_input_type"  # how dynamo marks an input AOTAutograd treats as static
-
-
-def _stack_of(tensors: list[torch.Tensor]) -> torch.Tensor:
-    stack = _stacked_view(tensors)
-    if stack is not None:
-        return stack
-    warnings.warn(
-        "hpu_moe: per-expert weights are no longer slices of one stack (a parameter was pointed elsewhere); "
-        "they are stacked on every call until the next compile",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-    return torch.stack(tensors)
 
 
 def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]:
@@ -125,12 +109,12 @@ def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]
     position = {node: index for index, node in enumerate(placeholders)}
     found = []
     for call in fused_list_calls(gm.graph):
-        arguments = dict(zip((a.name for a in call.target._schema.arguments), call.args, strict=False))
-        if lowering.stacked_overload("portable", call.target._overloadname) is None or call.kwargs:
+        values = arguments(call)
+        if values is None or lowering.stacked_overload("portable", call.target._overloadname) is None:
             continue
         lists = {}
         for name in LIST_ARGUMENTS:
-            nodes = arguments.get(name)
+            nodes = values.get(name)
             if nodes is None:
                 continue
             if not isinstance(nodes, list | tuple) or not all(
@@ -209,7 +193,7 @@ def _rewrite(gm: GraphModule, example_inputs: Sequence, prepared: list[_Prepared
     last = placeholders[-1]
     for ready in prepared:
         call = ready.item.call
-        values = dict(zip((a.name for a in call.target._schema.arguments), call.args, strict=False))
+        values = arguments(call)
         list_nodes = [node for name in ready.item.lists for node in values[name]]
         for name, positions in ready.item.lists.items():
             stack, fake = ready.stacks[name]
@@ -222,14 +206,11 @@ def _rewrite(gm: GraphModule, example_inputs: Sequence, prepared: list[_Prepared
             # if it ever moves) instead of copying the stack into the graph's buffer on every replay.
             last.meta["tensor_dict"] = {STATIC_INPUT_TYPE: "unguarded"}
             values[name] = last
-            addresses = tuple(map(_data_ptr, [example_inputs[i] for i in positions]))
-            groups.append(
-                StackedGroup(positions, addresses, tuple(stack.shape), stack.stride(), stack.dtype)
-            )
+            groups.append(StackedGroup(positions, tuple(stack.shape), stack.stride(), stack.dtype))
             stacks.append(stack)
         with graph.inserting_after(call):
-            arguments = tuple(values[a.name] for a in ready.overload._schema.arguments)
-            replacement = graph.call_function(ready.overload, arguments)
+            args = tuple(values[a.name] for a in ready.overload._schema.arguments)
+            replacement = graph.call_function(ready.overload, args)
         replacement.meta.update(call.meta)
         replaced[call] = replacement
         call.replace_all_uses_with(replacement)

@@ -41,6 +41,18 @@ def _assert_own_allocations(experts):
         assert all(w.storage_offset() == 0 for w in weights), role
 
 
+def _fail_inner_compiles_of_fused_graphs(monkeypatch) -> None:
+    """The inner compiler raises on any graph holding a fused call (the captured graph still compiles)."""
+    compile_inner = backend._compile_inner
+
+    def failing_on_fused(compiler, inner, graph, example_inputs, mode):
+        if _moe_calls(graph):
+            raise RuntimeError("inner backend broke")
+        return compile_inner(compiler, inner, graph, example_inputs, mode)
+
+    monkeypatch.setattr(backend, "_compile_inner", failing_on_fused)
+
+
 def _moe_calls(graph):
     return [n.target._overloadname for n in graph.graph.nodes if getattr(n.target, "namespace", None) == "moe_passes"]
 
@@ -100,14 +112,7 @@ def test_stack_inputs_carry_dynamos_static_mark_and_user_backends_keep_the_lists
 def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch):
     model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
     experts = _experts(model)
-    compile_inner = backend._compile_inner
-
-    def failing_on_fused(compiler, inner, graph, example_inputs, mode):
-        if _moe_calls(graph):
-            raise RuntimeError("inner backend broke")
-        return compile_inner(compiler, inner, graph, example_inputs, mode)
-
-    monkeypatch.setattr(backend, "_compile_inner", failing_on_fused)
+    _fail_inner_compiles_of_fused_graphs(monkeypatch)
     torch._dynamo.reset()
     with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
         compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
@@ -116,15 +121,14 @@ def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch)
     _assert_own_allocations(experts)
 
 
-def test_addresses_alone_never_read_separate_tensors_as_one():
-    """Separate allocations at the recorded addresses (as if the stack were freed and its memory reused)."""
+def test_separate_tensors_are_stacked_per_call_and_one_stack_is_read_in_place():
     separate = [torch.randn(3, 2) for _ in range(4)]
-    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in separate), (4, 3, 2), (6, 2, 1), torch.float32)
+    group = StackedGroup((0, 1, 2, 3), (4, 3, 2), (6, 2, 1), torch.float32)
     with pytest.warns(RuntimeWarning, match="stacked on every call"):
         stack = InputPlan((), (group,)).inner_inputs(separate)[0]
     assert torch.equal(stack, torch.stack(separate))
     stacked = list(torch.randn(4, 3, 2).unbind(0))
-    group = StackedGroup((0, 1, 2, 3), tuple(t.data_ptr() for t in stacked), (4, 3, 2), (6, 2, 1), torch.float32)
+    group = StackedGroup((0, 1, 2, 3), (4, 3, 2), (6, 2, 1), torch.float32)
     assert group.stack(stacked).data_ptr() == stacked[0].data_ptr()
 
 
@@ -176,14 +180,7 @@ def test_a_failed_compile_leaves_stacks_it_did_not_make(monkeypatch):
         torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR, dynamic=False)(x)
         stacked = {role: _stacked_view([getattr(e, role).weight for e in experts]) for role in ("w1", "w2", "w3")}
         assert all(s is not None for s in stacked.values())
-        compile_inner = backend._compile_inner
-
-        def failing_on_fused(compiler, inner, graph, example_inputs, mode):
-            if _moe_calls(graph):
-                raise RuntimeError("inner backend broke")
-            return compile_inner(compiler, inner, graph, example_inputs, mode)
-
-        monkeypatch.setattr(backend, "_compile_inner", failing_on_fused)
+        _fail_inner_compiles_of_fused_graphs(monkeypatch)
         longer = torch.randn(1, x.shape[1] + 3, x.shape[2])
         compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR, dynamic=False)
         with pytest.warns(RuntimeWarning, match="inner backend failed"):
@@ -215,8 +212,7 @@ def test_the_per_call_stack_is_laid_out_as_compiled():
     base = torch.randn(3, 2, 4)
     compiled_layout = base.transpose(0, 1)  # [2, 3, 4], stride (4, 8, 1): slices of a non-contiguous stack
     tensors = list(compiled_layout.unbind(0))
-    group = StackedGroup((0, 1), tuple(t.data_ptr() for t in tensors), (2, 3, 4), compiled_layout.stride(),
-                         torch.float32)
+    group = StackedGroup((0, 1), (2, 3, 4), compiled_layout.stride(), torch.float32)
     moved = [t.clone() for t in tensors]  # separate allocations: the slow path
     with pytest.warns(RuntimeWarning, match="stacked on every call"):
         stack = group.stack(moved)
