@@ -109,6 +109,56 @@ def test_kernel_matches_the_reference(permuted, activation, tokens, experts, top
     assert ((actual.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("tokens, experts, top_k, experts_min, held", [(1100, 8, 4, 0, 8), (2000, 64, 4, 8, 40)])
+def test_parallel_alignment_is_a_valid_layout(tokens, experts, top_k, experts_min, held):
+    """Past one chunk of pairs the layout is built by a parallel histogram, offsets and scatter."""
+    triton_moe = kernels.triton_kernels()
+    table = routing_table(tokens, experts, top_k, tokens, "cuda")
+    assert table.numel() > triton_moe.ALIGN_CHUNK
+    for block_m in (16, 64, 128):
+        check_alignment(table, experts_min, held, block_m, *triton_moe.align(table, experts_min, held, block_m))
+
+
+def tma_device() -> bool:
+    return CUDA_TRITON and kernels.triton_kernels()._tma_device(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not tma_device(), reason="needs a Hopper GPU and Triton tensor descriptors")
+@pytest.mark.parametrize("permuted", [True, False])
+def test_persistent_tma_down_kernel_matches_the_pointer_kernel(permuted):
+    """Both down kernels on one layout (K tail: I = 80; N tail: H = 96 under 256-wide tiles); a down stack
+    whose rows are not 16-byte aligned takes the pointer kernel."""
+    import dataclasses
+
+    triton_moe = kernels.triton_kernels()
+    experts, top_k, tokens, hidden, inter = 8, 2, 700, 96, 80
+    table = routing_table(tokens, experts, top_k, 1, "cuda")
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    w = torch.rand(tokens, top_k, device="cuda").bfloat16()
+    shape12, shape3 = ((experts, 2 * inter, hidden), (experts, hidden, inter))
+    if not permuted:
+        shape12, shape3 = (experts, hidden, 2 * inter), (experts, inter, hidden)
+    w12 = (torch.randn(shape12, device="cuda") / 10).bfloat16()
+    down = (torch.randn(shape3, device="cuda") / 10).bfloat16()
+    gate, up = (w12[:, :inter], w12[:, inter:]) if permuted else (w12[..., :inter], w12[..., inter:])
+    tma = choose_config(tokens * top_k, experts)
+    assert tma.down.persistent_tma
+    pointer = dataclasses.replace(tma, down=dataclasses.replace(tma.down, persistent_tma=False))
+    args = (x, table, w, gate, up, down, permuted, "silu", 0)
+    expected = mixture_of_experts_fused_weights_reference(
+        x, table, w, list(w12.unbind(0)), list(down.unbind(0)), permuted, "silu", 0, experts - 1
+    )
+    results = [triton_moe.fused_moe(*args, config=config) for config in (tma, pointer)]
+    for result in results:
+        assert ((result.float() - expected).norm() / expected.norm()).item() < 1e-2
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    intermediate = torch.empty(64, inter, device="cuda", dtype=torch.bfloat16)
+    assert triton_moe.tma_ready(down, intermediate, traced=False)
+    shifted = torch.empty(down.numel() + 1, device="cuda", dtype=down.dtype)[1:].view(down.shape)
+    assert not triton_moe.tma_ready(shifted, intermediate, traced=False)
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is not available")
 def test_cpu_takes_the_grouped_path_only_for_few_rows_per_expert():
     from moe_passes import fused_op
@@ -142,7 +192,7 @@ def test_inductor_launches_the_kernel_from_its_generated_code():
     model = model.cuda()
     compiled = torch.compile(model, backend=moe_passes.hpu_moe, options={"inner": "inductor", "target": "portable"})
     with torch.no_grad():
-        for tokens in (5, 37, 300):
+        for tokens in (5, 37, 300, 2100):  # 2100 x 2 pairs: the parallel alignment, the persistent down GEMM
             x = torch.randn(1, tokens, 64, device="cuda", dtype=torch.bfloat16)
             actual, codes = run_and_get_code(compiled, x)
             expected = model(x)
@@ -151,3 +201,36 @@ def test_inductor_launches_the_kernel_from_its_generated_code():
             if codes:  # a (re)compile happened for this size
                 assert "_gate_up_kernel" in code and "_down_kernel" in code, code[-3000:]
                 assert "torch.ops.moe_passes" not in code, "the op is still called from the generated code"
+
+
+@pytest.mark.skipif(not tma_device(), reason="needs a Hopper GPU and Triton tensor descriptors")
+@pytest.mark.skipif(not kernels.wrap_triton_available(), reason="needs torch.library.wrap_triton")
+def test_compiled_tma_kernel_runs_in_a_thread_that_never_set_an_allocator():
+    """Triton's allocator (the descriptors' scratch) is per context: a compiled layer called from a fresh
+    thread (a server's worker, say) must still find one."""
+    import threading
+
+    import moe_passes
+    from patterns import hf_grouped_mm
+
+    torch._dynamo.reset()
+    model, _ = hf_grouped_mm.build(hidden=64, intermediate=48, num_experts=8, top_k=2, layers=1)
+    model = model.cuda()
+    compiled = torch.compile(model, backend=moe_passes.hpu_moe, options={"inner": "inductor", "target": "portable"})
+    x = torch.randn(1, 2100, 64, device="cuda", dtype=torch.bfloat16)
+    results = {}
+
+    def call(name):
+        try:
+            with torch.no_grad():
+                results[name] = compiled(x)
+        except Exception as error:  # noqa: BLE001 - reported below
+            results[name] = error
+
+    for name in ("compiling", "fresh"):
+        thread = threading.Thread(target=call, args=(name,))
+        thread.start()
+        thread.join()
+    for name, result in results.items():
+        assert isinstance(result, torch.Tensor), f"{name}: {result!r}"
+    torch.testing.assert_close(results["fresh"], results["compiling"], rtol=0, atol=0)

@@ -5,7 +5,9 @@ every call, so weights come from HBM and not from L2), prints the kernel's time,
 grouped-matmul path and the physical limit max(routed weight bytes / HBM bandwidth, FLOPs / matmul
 throughput), both ceilings measured at the start of the same run. `--sweep` searches the tile
 configurations at each size, one GEMM at a time (the data behind `moe_passes/kernels/config.py`);
-`--profile` splits one call into its kernels.
+`--profile` splits one call into its kernels. From `--gemm-tokens` on, each row also gives every
+kernel's GPU time, each GEMM's throughput against the matmul ceiling and, where the table picks the
+persistent TMA down kernel, the call's time with the pointer down kernel instead.
 
     python tools/bench_kernel.py                # check + time
     python tools/bench_kernel.py --sweep --tokens 1 16 128
@@ -176,6 +178,18 @@ def bench(args, ceilings) -> list[dict]:
             row["grouped_ms"] = time_ms(lambda x, i, w: grouped_path(x, i, w, w12, w3, sizes), inputs)  # noqa: B023 (called at once)
             gate, up = w12[:, :inter], w12[:, inter:]
             row["kernel_ms"] = time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, w3, True, "silu", 0), inputs)  # noqa: B023 (called at once)
+            if tokens >= args.gemm_tokens:  # each kernel's GPU time, and each GEMM's share of the matmul ceiling
+                per_kernel = kernel_us(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, w3, True, "silu", 0), inputs)  # noqa: B023
+                row["kernel_us"] = per_kernel
+                flops = 2 * tokens * sizes["top_k"] * sizes["hidden"] * inter
+                for gemm, kernel, gemm_flops in (("gate_up", "_gate_up_kernel", 2 * flops), ("down", "_down_kernel", flops)):
+                    us = sum(t for k, t in per_kernel.items() if k.startswith(kernel))
+                    row[f"{gemm}_of_matmul_ceiling"] = gemm_flops / (us * 1e-6) / ceilings["matmul_flop_per_s"]
+            table_config = choose_config(tokens * sizes["top_k"], sizes["experts"])
+            if table_config.down.persistent_tma:  # the same call with the pointer down kernel, side by side
+                pointer = dataclasses.replace(table_config, down=dataclasses.replace(table_config.down, persistent_tma=False))
+                row["kernel_pointer_down_ms"] = time_ms(
+                    lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, w3, True, "silu", 0, pointer), inputs)  # noqa: B023
             if args.in_out:  # the same weights stored [E, in, out] (transposed stacks)
                 gate_t, up_t, down_t = (t.transpose(1, 2).contiguous() for t in (gate, up, w3))
                 row["kernel_in_out_ms"] = time_ms(
@@ -187,6 +201,20 @@ def bench(args, ceilings) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def kernel_us(fn, inputs, reps: int = 20) -> dict:
+    """GPU microseconds per call of each kernel `fn` launches (torch.profiler; host time excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(3):
+        fn(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(*inputs[i % len(inputs)])
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 def sweep(kernels, inputs, gate, up, down, pairs, experts):
@@ -209,7 +237,7 @@ def sweep(kernels, inputs, gate, up, down, pairs, experts):
         gate_ups = [TileConfig(bm, bn, bk, default.gate_up.group_m, warps, stages)
                     for bn, bk, warps, stages in itertools.product(block_ns[:2], (64, 128), (4, 8), (3, 4))]
         gate_up = min(gate_ups, key=lambda t: timed(MoEConfig(t, down_tile)))
-        downs = [TileConfig(bm, bn, bk, default.down.group_m, warps, stages)
+        downs = [TileConfig(bm, bn, bk, default.down.group_m, warps, stages, default.down.persistent_tma)
                  for bn, bk, warps, stages in itertools.product(block_ns, (64, 128), (4, 8), (3, 4))]
         for tile in downs:
             best = min(best, (timed(MoEConfig(gate_up, tile)), MoEConfig(gate_up, tile)), key=lambda r: r[0])
@@ -266,6 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--in-out", action="store_true", help="also time the kernel on stacks stored [E, in, out]")
     parser.add_argument("--sweep-tokens", nargs="*", type=int, default=[1024, 8192])
+    parser.add_argument("--gemm-tokens", type=int, default=1024,
+                        help="from this T on, time each kernel on the GPU and each GEMM against the matmul ceiling")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", nargs=2, action="append", metavar=("MODEL", "T"), default=[])
     args = parser.parse_args(argv)
@@ -286,7 +316,13 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['model']:14s} {r['tokens']:5d} {r['limit_ms']:8.3f} {r['kernel_ms']:8.3f} {r['op_ms']:8.3f} "
               f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if "sweep_best" in r else "")
-              + (f"  in-out layout {r['kernel_in_out_ms']:.3f}" if args.in_out else ""))
+              + (f"  in-out layout {r['kernel_in_out_ms']:.3f}" if args.in_out else "")
+              + (f"  with the pointer down kernel {r['kernel_pointer_down_ms']:.3f}" if "kernel_pointer_down_ms" in r else ""))
+    for r in rows:
+        if "kernel_us" in r:
+            kernels_line = ", ".join(f"{k} {v:.0f} us" for k, v in sorted(r["kernel_us"].items(), key=lambda kv: -kv[1]))
+            print(f"{r['model']:14s} {r['tokens']:5d} gate/up GEMM {r['gate_up_of_matmul_ceiling']:.0%} and down GEMM "
+                  f"{r['down_of_matmul_ceiling']:.0%} of the matmul ceiling; per call: {kernels_line}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)

@@ -25,6 +25,7 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    persistent_tma: bool = False  # the down GEMM only: `_down_kernel_tma` where the device and operands allow
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def choose_config(pairs: int, experts: int) -> MoEConfig:
         return MoEConfig(TileConfig(32, 64, 128, 4, 4, 4), TileConfig(32, 64, 128, 4, 4, 4))
     if m <= 128:
         return MoEConfig(TileConfig(64, 64, 64, 4, 4, 4), TileConfig(64, 128, 64, 4, 8, 4))
-    return MoEConfig(TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4))
+    return MoEConfig(TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4, persistent_tma=True))
 
 
 def padded_capacity(pairs: int, experts: int, block_m: int) -> int:

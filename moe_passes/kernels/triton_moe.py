@@ -1,13 +1,16 @@
 """The fused MoE forward on CUDA in Triton: align, gate/up GEMM with the activation, down GEMM, combine.
 
 Design (after vLLM's fused_moe, written anew for this op's semantics):
-1. `_align_counts` (one program) counts the routed pairs per expert, pads each count to block_m, writes
-   each block's expert and each expert's first padded row; `_align_scatter` (one program per chunk of
-   pairs) places every pair in its expert's group with an atomic cursor. Nothing leaves the device.
+1. Alignment: count the routed pairs per expert, pad each count to block_m, write each block's expert
+   and each expert's first padded row, then place every pair in its expert's group with an atomic
+   cursor. Up to ALIGN_CHUNK pairs one program does it all (`_align_counts`); beyond, a histogram over
+   chunks (`_align_histogram`), the offsets (`_align_offsets`) and the placement (`_align_scatter`)
+   each run over many programs. Nothing leaves the device.
 2. `_gate_up_kernel`: per block of block_m same-expert rows, gathers the token rows of x and computes
    the gate and up tiles of the same columns in one pass over K, then writes act(gate) * up (float32
    math, one rounding) in the padded layout.
-3. `_down_kernel`: the down projection of those rows, written unweighted to row `pair` of [T*k, H].
+3. `_down_kernel`: the down projection of those rows, written unweighted to row `pair` of [T*k, H];
+   at prefill sizes on Hopper, `_down_kernel_tma` does the same persistently through TMA descriptors.
 4. `_combine_kernel`: out[t] = sum over slots of router_weight * y, in float32, skipping pairs routed
    outside the expert range (selected away, so unwritten rows never leak NaN).
 Weights are read through strides, so both layouts (`permuted_weights`) and views of stacked tensors
@@ -15,6 +18,9 @@ run without copies.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import triton
@@ -25,7 +31,41 @@ from .config import MoEConfig, choose_config
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 DTYPES = (torch.bfloat16, torch.float16)
-ALIGN_CHUNK = 4096
+ALIGN_CHUNK = 4096  # up to this many pairs, one program builds the layout
+HISTOGRAM_CHUNK = 1024  # beyond: pairs (and rows to fill) per program of the parallel histogram
+SCATTER_CHUNK = 256  # pairs per program placing them (small: many programs share the atomic cursors)
+
+
+@triton.jit
+def _write_layout(
+    counts, cursor_ptr, block_expert_ptr, used_ptr, experts, first_block, last_block,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+):
+    """From the pairs per expert: each expert's first padded row (the scatter's cursor) and the used rows
+    (written by the program with first_block 0), and the expert of blocks [first_block, last_block)
+    (-1 past the used rows)."""
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    used = tl.sum(padded, 0)
+    if first_block == 0:
+        tl.store(cursor_ptr + bins, padded_end - padded, mask=bins < experts)
+        tl.store(used_ptr, used)
+    for start in range(first_block, last_block, BLOCK_CHUNK):
+        block = start + tl.arange(0, BLOCK_CHUNK)
+        row = block * BLOCK_M
+        expert = tl.sum((padded_end[None, :] <= row[:, None]).to(tl.int32), 1)
+        expert = tl.where(row < used, expert, -1)
+        tl.store(block_expert_ptr + block, expert, mask=block < last_block)
+
+
+@triton.jit
+def _local_experts(table_ptr, offs, pairs, experts_min, experts, BINS: tl.constexpr):
+    """The local expert of pairs `offs`, or the spare bin BINS - 1 for a pair out of range (or past the end)."""
+    inside = offs < pairs
+    local = tl.load(table_ptr + offs, mask=inside, other=-1).to(tl.int32) - experts_min
+    return tl.where((local >= 0) & (local < experts) & inside, local, BINS - 1)
 
 
 @triton.jit
@@ -33,33 +73,43 @@ def _align_counts(
     table_ptr, cursor_ptr, block_expert_ptr, used_ptr, sorted_ptr,
     pairs, experts_min, experts, blocks,
     BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
-    SCATTER: tl.constexpr,
 ):
-    bins = tl.arange(0, BINS)
-    counts = tl.zeros([BINS], dtype=tl.int32)
-    for start in range(0, pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        local = tl.load(table_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32) - experts_min
-        local = tl.where((local >= 0) & (local < experts) & (offs < pairs), local, BINS - 1)
-        counts += tl.histogram(local, BINS)
-    counts = tl.where(bins < experts, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)
-    tl.store(cursor_ptr + bins, padded_end - padded, mask=bins < experts)
-    used = tl.sum(padded, 0)
-    tl.store(used_ptr, used)
-    for start in range(0, blocks, BLOCK_CHUNK):
-        block = start + tl.arange(0, BLOCK_CHUNK)
-        row = block * BLOCK_M
-        expert = tl.sum((padded_end[None, :] <= row[:, None]).to(tl.int32), 1)
-        expert = tl.where(row < used, expert, -1)
-        tl.store(block_expert_ptr + block, expert, mask=block < blocks)
+    """Few pairs (one chunk): the whole layout in one program, one launch."""
+    offs = tl.arange(0, CHUNK)
+    counts = tl.histogram(_local_experts(table_ptr, offs, pairs, experts_min, experts, BINS), BINS)
+    _write_layout(counts, cursor_ptr, block_expert_ptr, used_ptr, experts, 0, blocks, BLOCK_M, BINS, BLOCK_CHUNK)
     for start in range(0, blocks * BLOCK_M, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + pairs, mask=offs < blocks * BLOCK_M)
-    if SCATTER:  # few pairs (one chunk): place them here too and save a launch
-        tl.debug_barrier()
-        _place_pairs(table_ptr, cursor_ptr, sorted_ptr, tl.arange(0, CHUNK), pairs, experts_min, experts)
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + pairs, mask=rows < blocks * BLOCK_M)
+    tl.debug_barrier()
+    _place_pairs(table_ptr, cursor_ptr, sorted_ptr, offs, pairs, experts_min, experts)
+
+
+@triton.jit
+def _align_histogram(
+    table_ptr, counts_ptr, sorted_ptr, pairs, rows, experts_min, experts,
+    BINS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Many pairs, one chunk per program: fills its rows with the sentinel and adds its chunk's pairs
+    per expert to `counts` (one atomic per expert hit, not one per pair)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + pairs, mask=offs < rows)
+    counts = tl.histogram(_local_experts(table_ptr, offs, pairs, experts_min, experts, BINS), BINS)
+    bins = tl.arange(0, BINS)
+    tl.atomic_add(counts_ptr + bins, counts, mask=(bins < experts) & (counts > 0))
+
+
+@triton.jit
+def _align_offsets(
+    counts_ptr, cursor_ptr, block_expert_ptr, used_ptr, experts, blocks,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+):
+    """One chunk of blocks per program (each redoes the cheap prefix sum over experts)."""
+    bins = tl.arange(0, BINS)
+    counts = tl.load(counts_ptr + bins, mask=bins < experts, other=0)
+    first = tl.program_id(0) * BLOCK_CHUNK
+    last = tl.minimum(first + BLOCK_CHUNK, blocks)
+    _write_layout(counts, cursor_ptr, block_expert_ptr, used_ptr, experts, first, last, BLOCK_M, BINS, BLOCK_CHUNK)
 
 
 @triton.jit
@@ -91,8 +141,12 @@ def _activation(x, ACT: tl.constexpr):
 
 @triton.jit
 def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped launch order: GROUP_M row blocks share each column sweep, so weight tiles stay in L2."""
-    pid = tl.program_id(0)
+    return _tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+
+
+@triton.jit
+def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row blocks share each column sweep, so weight tiles stay in L2."""
     per_group = GROUP_M * num_pid_n
     group = pid // per_group
     first_m = group * GROUP_M
@@ -186,6 +240,46 @@ def _down_kernel(
 
 
 @triton.jit
+def _down_kernel_tma(
+    inter_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, used_ptr,
+    pairs, K, N, rows, experts,
+    stride_we, stride_wk, stride_wn, stride_ym,
+    PERMUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    """The down GEMM as `_down_kernel`, persistent (PROGRAMS programs walk the used tiles, so one tile's
+    store overlaps the next one's loads) and reading both operands through TMA descriptors (Hopper's
+    bulk copy engine, out-of-bounds reads as zeros: no masks in the K loop)."""
+    a_desc = tl.make_tensor_descriptor(inter_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if PERMUTED:  # [E, out, in]: contiguous along K
+        b_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[experts, N, K], strides=[stride_we, stride_wn, 1], block_shape=[1, BLOCK_N, BLOCK_K]
+        )
+    else:  # [E, in, out]: contiguous along N
+        b_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[experts, K, N], strides=[stride_we, stride_wk, 1], block_shape=[1, BLOCK_K, BLOCK_N]
+        )
+    num_pid_m = tl.load(used_ptr) // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + pid_m)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            if PERMUTED:
+                b = tl.trans(b_desc.load([expert, pid_n * BLOCK_N, ki * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+            else:
+                b = b_desc.load([expert, ki * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + cols[None, :]
+        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(pair < pairs)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _combine_kernel(
     y_ptr, table_ptr, weights_ptr, out_ptr, H, experts_min, experts,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -211,28 +305,89 @@ def _direct(kernel):
 def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int, launch=_direct):
     """The block-padded, expert-sorted layout of `table` (see align.py), built on the device.
 
-    Sizes may be symbolic (when inductor traces the launches), so nothing here branches on them but the
-    one-chunk shortcut.
+    Few pairs take one program (one launch); many take a histogram over chunks, one program for the
+    offsets and a scatter over chunks, since one program walking every pair is slow at prefill sizes.
+    Sizes may be symbolic (when inductor traces the launches), so nothing here branches on them but
+    that choice.
     """
     flat = table.reshape(-1)
     pairs = flat.numel()
     blocks = block_count(pairs, experts, block_m)
+    rows = blocks * block_m
     device = table.device
     cursor = torch.empty(experts, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(experts + 1)
-    launch(_align_counts)[(1,)](
-        flat, cursor, block_expert, used, sorted_pairs, pairs, experts_min, experts, blocks,
-        BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK, BLOCK_CHUNK=max(1, min(64, 8192 // bins)),
-        SCATTER=pairs <= ALIGN_CHUNK, num_warps=8,
-    )
-    if pairs > ALIGN_CHUNK:
-        launch(_align_scatter)[(triton.cdiv(pairs, ALIGN_CHUNK),)](
-            flat, cursor, sorted_pairs, pairs, experts_min, experts, CHUNK=ALIGN_CHUNK, num_warps=4
+    block_chunk = max(1, min(64, 8192 // bins))
+    if pairs <= ALIGN_CHUNK:
+        launch(_align_counts)[(1,)](
+            flat, cursor, block_expert, used, sorted_pairs, pairs, experts_min, experts, blocks,
+            BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK, BLOCK_CHUNK=block_chunk, num_warps=8,
         )
+        return sorted_pairs, block_expert, used
+    counts = torch.zeros(experts, dtype=torch.int32, device=device)
+    launch(_align_histogram)[(triton.cdiv(rows, HISTOGRAM_CHUNK),)](
+        flat, counts, sorted_pairs, pairs, rows, experts_min, experts, BINS=bins, CHUNK=HISTOGRAM_CHUNK,
+        num_warps=4,
+    )
+    launch(_align_offsets)[(triton.cdiv(blocks, block_chunk),)](
+        counts, cursor, block_expert, used, experts, blocks, BLOCK_M=block_m, BINS=bins,
+        BLOCK_CHUNK=block_chunk, num_warps=4,
+    )
+    launch(_align_scatter)[(triton.cdiv(pairs, SCATTER_CHUNK),)](
+        flat, cursor, sorted_pairs, pairs, experts_min, experts, CHUNK=SCATTER_CHUNK, num_warps=4
+    )
     return sorted_pairs, block_expert, used
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _tma_device(device: torch.device) -> bool:
+    """Hopper or newer, and a Triton with device-side tensor descriptors and flattened persistent loops."""
+    flatten = "flatten" in inspect.signature(tl.range).parameters
+    return flatten and hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _torch_allocation(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> bool:
+    """Device-side descriptors live in scratch memory that Triton asks its allocator for. Set one that
+    takes it from torch's caching allocator (so CUDA graphs capture it too) unless the caller set their
+    own; False where this Triton's allocator cannot be inspected (then no descriptors are used)."""
+    try:
+        from triton.runtime import _allocation
+    except ImportError:
+        return False
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or not hasattr(triton, "set_allocator"):
+        return False
+    if isinstance(current.get(), null):
+        triton.set_allocator(_torch_allocation)
+    return True
+
+
+def tma_ready(down: torch.Tensor, intermediate: torch.Tensor, traced: bool) -> bool:
+    """Whether `_down_kernel_tma` can read these operands: a Hopper device, rows contiguous in their last
+    dimension and 16-byte aligned (strides, offsets and, outside tracing, the address; storage from
+    torch's CUDA allocator starts 512-byte aligned), and a Triton allocator for the descriptors."""
+    if not _tma_device(down.device):
+        return False
+    per_16_bytes = 16 // down.element_size()
+    offsets = (*down.stride()[:-1], down.storage_offset(), intermediate.stride(0))
+    if down.stride(-1) != 1 or not all(isinstance(v, int) and v % per_16_bytes == 0 for v in offsets):
+        return False
+    if not traced and down.data_ptr() % 16:
+        return False
+    return _ensure_allocator()
 
 
 def _weight_strides(stacked: torch.Tensor, permuted: bool) -> tuple[int, int, int]:
@@ -288,14 +443,24 @@ def fused_moe(
     )
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     se, sk, sn = _weight_strides(down, permuted)
-    grid = (num_pid_m * triton.cdiv(hidden, cd.block_n),)
-    launch(_down_kernel)[grid](
-        intermediate, down, y, sorted_pairs, block_expert, used,
-        pairs, inter, hidden, num_pid_m,
-        intermediate.stride(0), se, sk, sn, y.stride(0),
-        BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m,
-        EVEN_K=inter % cd.block_k == 0, num_warps=cd.num_warps, num_stages=cd.num_stages,
-    )
+    tiles = num_pid_m * triton.cdiv(hidden, cd.block_n)
+    if cd.persistent_tma and tma_ready(down, intermediate, traced=launch is not _direct):
+        programs = multiprocessors(x.device)
+        launch(_down_kernel_tma)[(torch.sym_min(tiles, programs),)](
+            intermediate, down, y, sorted_pairs, block_expert, used,
+            pairs, inter, hidden, intermediate.shape[0], experts,
+            se, sk, sn, y.stride(0),
+            PERMUTED=permuted, BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m,
+            PROGRAMS=programs, num_warps=cd.num_warps, num_stages=cd.num_stages,
+        )
+    else:
+        launch(_down_kernel)[(tiles,)](
+            intermediate, down, y, sorted_pairs, block_expert, used,
+            pairs, inter, hidden, num_pid_m,
+            intermediate.stride(0), se, sk, sn, y.stride(0),
+            BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, BLOCK_K=cd.block_k, GROUP_M=cd.group_m,
+            EVEN_K=inter % cd.block_k == 0, num_warps=cd.num_warps, num_stages=cd.num_stages,
+        )
     block_h = min(1024, triton.next_power_of_2(hidden))
     launch(_combine_kernel)[(tokens, triton.cdiv(hidden, block_h))](
         y, table, router_weights.contiguous(), out, hidden, experts_min, experts,
