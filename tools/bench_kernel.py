@@ -194,6 +194,14 @@ def bench(args, ceilings) -> list[dict]:
                 gate_t, up_t, down_t = (t.transpose(1, 2).contiguous() for t in (gate, up, w3))
                 row["kernel_in_out_ms"] = time_ms(
                     lambda x, i, w: kernels.fused_moe(x, i, w, gate_t, up_t, down_t, False, "silu", 0), inputs)  # noqa: B023
+                if choose_config(tokens * sizes["top_k"], sizes["experts"], permuted=False) != table_config:
+                    # side by side: the [E, out, in] layout's tiles on these weights
+                    row["kernel_in_out_with_out_in_tiles_ms"] = time_ms(
+                        lambda x, i, w: kernels.fused_moe(x, i, w, gate_t, up_t, down_t, False, "silu", 0, table_config),  # noqa: B023
+                        inputs)
+                if args.sweep and tokens in args.sweep_tokens:
+                    row["sweep_in_out_best_ms"], row["sweep_in_out_best"] = sweep(
+                        kernels, inputs, gate_t, up_t, down_t, tokens * sizes["top_k"], sizes["experts"], permuted=False)
                 del gate_t, up_t, down_t
             if args.sweep and tokens in args.sweep_tokens:
                 best = sweep(kernels, inputs, gate, up, w3, tokens * sizes["top_k"], sizes["experts"])
@@ -217,17 +225,17 @@ def kernel_us(fn, inputs, reps: int = 20) -> dict:
     return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
-def sweep(kernels, inputs, gate, up, down, pairs, experts):
+def sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True):
     """Best (ms, config) by coordinate search: per block_m, every gate/up tile with the table's down tile,
     then every down tile with the best gate/up tile. Tiles that do not fit (shared memory) time as inf."""
-    default = choose_config(pairs, experts)
+    default = choose_config(pairs, experts, permuted)
     m = pairs / experts
     block_ms = [16] if m <= 4 else [16, 32] if m <= 16 else [32, 64] if m <= 64 else [64, 128]
     block_ns = (32, 64, 128) if m <= 16 else (64, 128, 256)
 
     def timed(cfg):
         try:
-            return time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, down, True, "silu", 0, cfg), inputs, reps=10)  # noqa: B023
+            return time_ms(lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, down, permuted, "silu", 0, cfg), inputs, reps=10)  # noqa: B023
         except Exception:  # out of shared memory and the like
             return float("inf")
 
@@ -317,6 +325,8 @@ def main(argv=None) -> int:
         print(f"{r['model']:14s} {r['tokens']:5d} {r['limit_ms']:8.3f} {r['kernel_ms']:8.3f} {r['op_ms']:8.3f} "
               f"{r['grouped_ms']:8.3f} {r['kernel_ms'] / r['limit_ms']:8.2f}" + (f"  best {r['sweep_best_ms']:.3f} {r['sweep_best']}" if "sweep_best" in r else "")
               + (f"  in-out layout {r['kernel_in_out_ms']:.3f}" if args.in_out else "")
+              + (f" (with the out-in layout's tiles {r['kernel_in_out_with_out_in_tiles_ms']:.3f})"
+                 if "kernel_in_out_with_out_in_tiles_ms" in r else "")
               + (f"  with the pointer down kernel {r['kernel_pointer_down_ms']:.3f}" if "kernel_pointer_down_ms" in r else ""))
     for r in rows:
         if "kernel_us" in r:

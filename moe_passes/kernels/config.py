@@ -45,8 +45,9 @@ def rows_per_expert(pairs: int, experts: int) -> float:
     return pairs / max(experts, 1)
 
 
-def choose_config(pairs: int, experts: int) -> MoEConfig:
-    """The tiles for `pairs` routed (token, expert) pairs spread over `experts` experts."""
+def choose_config(pairs: int, experts: int, permuted: bool = True) -> MoEConfig:
+    """The tiles for `pairs` routed (token, expert) pairs spread over `experts` experts, weights stored
+    [E, out, in] if `permuted` (nn.Linear's layout) else [E, in, out]."""
     m = rows_per_expert(pairs, experts)
     if m <= 16:
         return MoEConfig(TileConfig(16, 64, 128, 1, 4, 4), TileConfig(16, 64, 128, 1, 4, 4))
@@ -54,7 +55,10 @@ def choose_config(pairs: int, experts: int) -> MoEConfig:
         return MoEConfig(TileConfig(32, 64, 128, 4, 4, 4), TileConfig(32, 64, 128, 4, 4, 4))
     if m <= 128:
         return MoEConfig(TileConfig(64, 64, 64, 4, 4, 4), TileConfig(64, 128, 64, 4, 8, 4))
-    return MoEConfig(TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4, persistent_tma=True))
+    # Weights [E, in, out] (contiguous along N) pipeline better 3 deep at these tiles: 5-9% on the gate/up
+    # GEMM at Mixtral and Qwen3 sizes, T = 8192, where 4 stages stay best for [E, out, in] (H100, 11-25).
+    stages = 4 if permuted else 3
+    return MoEConfig(TileConfig(128, 128, 64, 8, 8, stages), TileConfig(128, 256, 64, 8, 8, 4, persistent_tma=True))
 
 
 def padded_capacity(pairs: int, experts: int, block_m: int) -> int:

@@ -422,7 +422,7 @@ def fused_moe(
     out = torch.empty(tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     if tokens == 0:
         return out
-    config = config or choose_config(pairs, experts)
+    config = config or choose_config(pairs, experts, permuted)
     table = table.contiguous()
     sorted_pairs, block_expert, used = align(table, experts_min, experts, config.block_m, launch)
     num_pid_m = block_expert.numel()
