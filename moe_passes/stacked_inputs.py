@@ -6,7 +6,8 @@ the op checks again that each list is one stack, and a CUDA graph replay checks 
 address. Here the inner graph takes one [E, ...] input per list and calls the stacked overload; the
 callable handed back to dynamo finds each stack from the caller's tensors on every call: they must
 still be consecutive slices of one stack laid out as compiled, each with the same shape, stride and
-dtype (one pass over each list; guards cannot be relied on for this, a `guard_filter_fn` may drop them).
+dtype (one pass over each list, one C call per tensor while nothing changed; guards cannot be relied on
+for this, a `guard_filter_fn` may drop them).
 
 Nothing goes stale: the stack is a view built from the parameters on every call, so an in-place update
 is read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the
@@ -21,6 +22,7 @@ parameters are, so CUDA graph replays read them in place (and re-record if one e
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from collections.abc import Sequence
 
@@ -42,6 +44,19 @@ class ListCall:
     lists: dict[str, tuple[int, ...]]  # argument name -> caller input positions, in expert order
 
 
+class _LastStack:
+    """The stack found on the last call, with the slices and dtypes it was found from (one tuple, replaced
+    whole, so a concurrent caller never sees half of an update)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self):
+        self.entry: tuple[torch.Tensor, list[torch.Tensor], list[torch.dtype]] | None = None
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
 @dataclasses.dataclass(frozen=True)
 class StackedGroup:
     """Caller inputs the inner graph takes as one stack, and how that stack was laid out when compiled."""
@@ -50,14 +65,25 @@ class StackedGroup:
     size: tuple[int, ...]  # of the stack
     stride: tuple[int, ...]
     dtype: torch.dtype
+    last: _LastStack = dataclasses.field(default_factory=_LastStack, compare=False, repr=False)
 
     def stack(self, args: Sequence) -> torch.Tensor:
-        """The stack the inputs are slices of, as a view where they still are one laid out as compiled
-        (`fused_op._stacked_view` checks every input's address, shape, stride and dtype, on each call:
-        guards can be filtered away); else a copy, laid out as the compiled graph expects."""
+        """The stack the inputs are slices of, as a view where they still are one laid out as compiled;
+        else a copy, laid out as the compiled graph expects. Guards can be filtered away, so every input is
+        checked on each call: while each is still set to exactly the slice it was last found as
+        (`Tensor.is_set_to`: same storage, offset, sizes and strides) and has its dtype, the last stack is
+        reused, one C call per input; otherwise `fused_op._stacked_view` checks every input's address,
+        shape, stride and dtype."""
         tensors = [args[i] for i in self.positions]
+        entry = self.last.entry
+        if entry is not None:
+            stack, slices, dtypes = entry
+            if all(map(torch.Tensor.is_set_to, tensors, slices)) and list(map(_DTYPE, tensors)) == dtypes:
+                return stack
+            self.last.entry = None  # let go of a stack the inputs have left
         view = _stacked_view(tensors)
         if view is not None and self._laid_out_as_compiled(view) and view.dtype == self.dtype:
+            self.last.entry = (view, list(view.unbind(0)), [view.dtype] * len(tensors))
             return view
         warnings.warn(
             "hpu_moe: per-expert weights are no longer slices of one stack laid out as compiled (a parameter "

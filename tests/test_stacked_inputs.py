@@ -132,6 +132,25 @@ def test_separate_tensors_are_stacked_per_call_and_one_stack_is_read_in_place():
     assert group.stack(stacked).data_ptr() == stacked[0].data_ptr()
 
 
+def test_a_found_stack_is_reused_only_while_every_input_is_still_its_slice():
+    stacked = list(torch.randn(4, 3, 2).unbind(0))
+    group = StackedGroup((0, 1, 2, 3), (4, 3, 2), (6, 2, 1), torch.float32)
+    first = group.stack(stacked)
+    assert group.stack(stacked) is first
+    reinterpreted = list(stacked)
+    reinterpreted[1] = reinterpreted[1].view(torch.int32)  # same storage, offset, sizes and strides
+    assert reinterpreted[1].is_set_to(stacked[1])
+    with pytest.warns(RuntimeWarning, match="stacked on every call"):
+        assert group.stack(reinterpreted) is not first
+    assert group.last.entry is None  # the old stack is let go
+    moved = list(stacked)
+    moved[2] = moved[2].clone()
+    with pytest.warns(RuntimeWarning, match="stacked on every call"):
+        group.stack(moved)
+    again = group.stack(stacked)
+    assert again is not first and torch.equal(again, first) and group.stack(stacked) is again
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replays_read_the_stacks_in_place():
     model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4, dtype=torch.bfloat16)
