@@ -109,16 +109,22 @@ def test_stack_inputs_carry_dynamos_static_mark_and_user_backends_keep_the_lists
     assert all(p.meta["tensor_dict"]["_dynamo_static_input_type"] for p in stacks)
 
 
-def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch):
+def _assert_fallback_gives_weights_back(match: str) -> None:
+    """A fresh ModuleList layer whose rewritten compile fails: right result with the warning `match`, and
+    every weight back in its own allocation."""
     model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
     experts = _experts(model)
-    _fail_inner_compiles_of_fused_graphs(monkeypatch)
     torch._dynamo.reset()
     with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
         compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
-        with pytest.warns(RuntimeWarning, match="inner backend failed"):
+        with pytest.warns(RuntimeWarning, match=match):
             torch.testing.assert_close(compiled(x), model(x))
     _assert_own_allocations(experts)
+
+
+def test_an_inner_failure_gives_the_captured_graph_its_weights_back(monkeypatch):
+    _fail_inner_compiles_of_fused_graphs(monkeypatch)
+    _assert_fallback_gives_weights_back("inner backend failed")
 
 
 def test_separate_tensors_are_stacked_per_call_and_one_stack_is_read_in_place():
@@ -175,19 +181,11 @@ def test_cuda_graph_replays_read_the_stacks_in_place():
 def test_a_failure_while_taking_stacks_gives_the_weights_back(monkeypatch):
     from moe_passes import stacked_inputs
 
-    model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
-    experts = _experts(model)
-
     def broken(*args, **kwargs):
         raise RuntimeError("rewrite broke")
 
     monkeypatch.setattr(stacked_inputs, "_rewrite", broken)
-    torch._dynamo.reset()
-    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
-        compiled = torch.compile(model, backend=moe_passes.hpu_moe, options=PORTABLE_INDUCTOR)
-        with pytest.warns(RuntimeWarning, match="taking the weight lists as stacked inputs failed.*rewrite broke"):
-            torch.testing.assert_close(compiled(x), model(x))
-    _assert_own_allocations(experts)
+    _assert_fallback_gives_weights_back("taking the weight lists as stacked inputs failed.*rewrite broke")
 
 
 def test_a_failed_compile_leaves_stacks_it_did_not_make(monkeypatch):
