@@ -6,8 +6,8 @@ the op checks again that each list is one stack, and a CUDA graph replay checks 
 address. Here the inner graph takes one [E, ...] input per list and calls the stacked overload; the
 callable handed back to dynamo finds each stack from the caller's tensors on every call: they must
 still be consecutive slices of one stack laid out as compiled, each with the same shape, stride and
-dtype (one pass over each list, one C call per tensor while nothing changed; guards cannot be relied on
-for this, a `guard_filter_fn` may drop them).
+dtype (while nothing changed, two C calls per list: dynamo's tensor check and an address comparison;
+guards cannot be relied on for this, a `guard_filter_fn` may drop them).
 
 Nothing goes stale: the stack is a view built from the parameters on every call, so an in-place update
 is read, and a parameter pointed elsewhere (`p.data = other`) stops being a slice, after which the
@@ -44,14 +44,58 @@ class ListCall:
     lists: dict[str, tuple[int, ...]]  # argument name -> caller input positions, in expert order
 
 
+try:  # dynamo's C++ check of many tensors' dtype, device, requires_grad, sizes and strides in one call
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - every torch this package supports has it
+    _TensorGuards = None
+# One C call comparing many tensors' addresses (CUDA builds of torch; what CUDA graph replays use).
+_pointers_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+class _Slices:
+    """The tensors a stack was found from, as they were then, and a cheap check that they still are.
+
+    Reading the same bytes the same way needs the same address, dtype, sizes and strides (and device):
+    compared in two C calls (dynamo's `TensorGuards`, then the addresses) where this torch has them,
+    else per tensor with `Tensor.is_set_to` (storage, offset, sizes, strides) and the dtype. A failed
+    check costs nothing but the full check, so a spurious mismatch (dispatch keys, `requires_grad`)
+    is harmless.
+    """
+
+    __slots__ = ("guards", "pointers", "indices", "tensors", "dtypes")
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.guards = None
+        if _TensorGuards is not None:
+            try:
+                self.guards = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.size()) for t in tensors],
+                                            dynamic_dims_strides=[list(t.stride()) for t in tensors])
+            except Exception:  # noqa: BLE001 - a private API whose signature may change: check per tensor
+                self.guards = None
+        self.pointers = [t.data_ptr() for t in tensors]
+        self.indices = list(range(len(tensors)))
+        self.tensors = list(tensors) if self.guards is None else None
+        self.dtypes = [t.dtype for t in tensors]
+
+    def still(self, tensors: list[torch.Tensor]) -> bool:
+        if self.guards is None:
+            return all(map(torch.Tensor.is_set_to, tensors, self.tensors)) and list(
+                map(_DTYPE, tensors)) == self.dtypes
+        if not self.guards.check(*tensors):
+            return False
+        if _pointers_equal is not None:
+            return _pointers_equal(tensors, self.pointers, self.indices)
+        return list(map(torch.Tensor.data_ptr, tensors)) == self.pointers
+
+
 class _LastStack:
-    """The stack found on the last call, with the slices and dtypes it was found from (one tuple, replaced
-    whole, so a concurrent caller never sees half of an update)."""
+    """The stack found on the last call with the `_Slices` it was found from (one tuple, replaced whole,
+    so a concurrent caller never sees half of an update)."""
 
     __slots__ = ("entry",)
 
     def __init__(self):
-        self.entry: tuple[torch.Tensor, list[torch.Tensor], list[torch.dtype]] | None = None
+        self.entry: tuple[torch.Tensor, _Slices] | None = None
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -70,20 +114,19 @@ class StackedGroup:
     def stack(self, args: Sequence) -> torch.Tensor:
         """The stack the inputs are slices of, as a view where they still are one laid out as compiled;
         else a copy, laid out as the compiled graph expects. Guards can be filtered away, so every input is
-        checked on each call: while each is still set to exactly the slice it was last found as
-        (`Tensor.is_set_to`: same storage, offset, sizes and strides) and has its dtype, the last stack is
-        reused, one C call per input; otherwise `fused_op._stacked_view` checks every input's address,
-        shape, stride and dtype."""
+        checked on each call: while each still has the address, dtype, sizes and strides it was last found
+        with (`_Slices`, two C calls for the whole list), the last stack is reused; otherwise
+        `fused_op._stacked_view` checks every input's address, shape, stride and dtype."""
         tensors = [args[i] for i in self.positions]
         entry = self.last.entry
         if entry is not None:
-            stack, slices, dtypes = entry
-            if all(map(torch.Tensor.is_set_to, tensors, slices)) and list(map(_DTYPE, tensors)) == dtypes:
+            stack, slices = entry
+            if slices.still(tensors):
                 return stack
             self.last.entry = None  # let go of a stack the inputs have left
         view = _stacked_view(tensors)
         if view is not None and self._laid_out_as_compiled(view) and view.dtype == self.dtype:
-            self.last.entry = (view, list(view.unbind(0)), [view.dtype] * len(tensors))
+            self.last.entry = (view, _Slices(tensors))
             return view
         warnings.warn(
             "hpu_moe: per-expert weights are no longer slices of one stack laid out as compiled (a parameter "
