@@ -5,7 +5,10 @@
 elsewhere. `moe_passes.explain(model, *args)` says what happened.
 """
 
-from . import fused_op  # noqa: F401  (registers torch.ops.moe_passes.mixture_of_experts)
+from . import (
+    fused_op,  # noqa: F401  (registers torch.ops.moe_passes.mixture_of_experts)
+    routing_op,  # noqa: F401  (registers torch.ops.moe_passes.softmax_topk)
+)
 from .adapters import adapt, install_discovery_hook
 from .backend import hpu_moe
 from .explain import explain, explaining

@@ -17,14 +17,14 @@ import torch
 from torch._dynamo.backends.registry import list_backends, lookup_backend
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from . import lowering
+from . import kernels, lowering
 from .adapters import install_discovery_hook
 from .adapters.base import BACKEND_MARK
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
-from .fx_utils import source_line
+from .fx_utils import source_line, val
 from .ir import UntraceableConstruct, carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
 from .options import Options
-from .passes import already_fused
+from .passes import already_fused, routing_fusion
 from .passes.matches import RoutingInfo
 from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import format_graph, node_lines
@@ -233,6 +233,10 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
     taken, stage = None, "taking the weight lists as stacked inputs"
     try:
         inputs = example_inputs
+        if target == "portable":
+            stage = "fusing the routing"
+            _fuse_routing(graph, opts.fuse_routing, record)
+            stage = "taking the weight lists as stacked inputs"
         if target == "portable" and _takes_stacks(opts.inner):
             taken = _take_stacks(graph, example_inputs, record)
             if taken is not None:
@@ -280,6 +284,33 @@ def _record_restacked(record: GraphRecord, moved: dict) -> None:
     ]
     count("restacked_weights", sum(moved.values()))
     log.info("moved %d per-expert weights into stacks for the portable op", sum(moved.values()))
+
+
+def _fuse_routing(graph: torch.fx.GraphModule, fuse: bool | None, record: GraphRecord) -> None:
+    """The routing chains that feed portable calls become `softmax_topk` calls (passes/routing_fusion.py):
+    with `fuse` None only where the op's Triton kernel covers the logits, with True every one found."""
+    if fuse is False:
+        return
+    try:
+        chains = [
+            chain for chain in routing_fusion.find(graph.graph)
+            if fuse or kernels.routing_kernel_applies(val(chain.logits), chain.k, chain.dtype)
+        ]
+    except Exception as error:  # noqa: BLE001 - the routing runs as written; the MoE rewrite stands
+        count("internal_errors")
+        warnings.warn(f"hpu_moe: internal error while looking for routing to fuse, routing kept as written: "
+                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+        return
+    if not chains:
+        return
+    layers = set()
+    for chain in chains:
+        layers.update(user.meta.get(LAYER_META) for node in (chain.ids, chain.weights) for user in node.users)
+        routing_fusion.rewrite(graph.graph, chain)
+    graph.recompile()
+    record.fused[:] = [dataclasses.replace(f, routing_fused=f.layer in layers) for f in record.fused]
+    count("fused_routing", len(chains))
+    log.info("fused %d routing chains into softmax_topk calls", len(chains))
 
 
 def _takes_stacks(inner) -> bool:

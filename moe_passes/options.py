@@ -24,6 +24,10 @@ class Options:
              experts): for users who need bit-for-bit routing rather than agreement within tolerance.
     forms:   the expert forms to look for, by name (default: all of `moe_passes.FORMS`); naming a
              subset turns the others off, to bisect which finder made a rewrite.
+    fuse_routing: the softmax → top-k → renormalise chain feeding a portable fused call becomes one
+             `moe_passes.softmax_topk` call (passes/routing_fusion.py): None (default) where its logits
+             are on CUDA and the op's Triton kernel covers them, True wherever the chain is found (the
+             op's torch implementation elsewhere), False never.
     """
 
     inner: str | Callable | None = None
@@ -33,6 +37,7 @@ class Options:
     adapters: bool = True
     strict: bool = False
     forms: tuple[str, ...] | None = None
+    fuse_routing: bool | None = None
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -56,6 +61,8 @@ class Options:
         for flag in ("verify", "enabled", "adapters", "strict"):
             if not isinstance(getattr(parsed, flag), bool):
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
+        if parsed.fuse_routing is not None and not isinstance(parsed.fuse_routing, bool):
+            raise TypeError("hpu_moe option fuse_routing must be None (where the kernel applies), True or False")
         return parsed
 
 

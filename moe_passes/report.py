@@ -30,6 +30,7 @@ class Fused:
     router_experts: int | None = None
     restacked: int = 0  # per-expert weight tensors moved into stacks for the portable op (restack.py)
     compiled_as: str | None = None  # the stacked overload the compiled graph calls instead (stacked_inputs.py)
+    routing_fused: bool = False  # its routing chain runs as one softmax_topk call (passes/routing_fusion.py)
 
     def experts_text(self) -> str:
         """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
@@ -249,6 +250,8 @@ class Report:
                 error += f", {f.restacked} per-expert weights moved into stacks"
             if f.compiled_as:
                 error += f", compiled as {f.compiled_as} on stacked inputs"
+            if f.routing_fused:
+                error += ", routing as one softmax_topk call"
             lines.append(
                 f"    [graph {f.graph}] {f.layer}: {f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 import sys
@@ -47,6 +48,7 @@ TOKENS = (1, 16, 128, 1024, 8192)
 COMPILED = ("grouped_mm", "batched_mm", "static loop", "transposed", "ModuleList loop")
 ORIGINAL = ("eager loop", *(f"{form}+inductor" for form in COMPILED))
 REWRITTEN = tuple(f"hpu_moe[{form}]" for form in COMPILED)
+ROUTING_AS_WRITTEN = "hpu_moe[static loop] routing as written"  # not in REWRITTEN: a side-by-side control
 ROTATE = 4
 DEVICE = "cuda"
 GATHER_LIMIT_BYTES = 16 << 30  # batched_mm copies each routed expert's weights per (token, slot)
@@ -143,6 +145,10 @@ def variants(blocks: dict, fused_forms, mode: str) -> dict:
     fns = {"eager loop": blocks["eager loop"]}
     fns.update({f"{form}+inductor": inductor(blocks[form]) for form in COMPILED})
     fns.update({f"hpu_moe[{form}]": rewrite(blocks[form]) for form in fused_forms})
+    # Side by side with hpu_moe[static loop]: the same rewrite with its routing left to inductor.
+    unfused = functools.partial(moe_passes.hpu_moe, mode=None if mode == "default" else mode,
+                                options={"inner": "inductor", "target": "portable", "fuse_routing": False})
+    fns[ROUTING_AS_WRITTEN] = torch.compile(blocks["static loop"], backend=unfused)
     return fns
 
 
@@ -234,11 +240,12 @@ def markdown(result: dict) -> str:
         gap = f"{worst / r['limit_ms']:.2f}x" if worst else "n/a"
         lines.append(f"| {r['model']} | {r['tokens']} | {r['limit_ms']:.3f} | "
                      + " | ".join(_ms(r.get(f)) for f in ORIGINAL) + f" | {_ms(worst)} | {ratio} | {gap} |")
-    lines += ["", "| model | T | " + " | ".join(f"{f} ms" for f in REWRITTEN) + " | slowest / fastest form |",
-              "|---|---|" + "---|" * len(REWRITTEN) + "---|"]
+    shown = (*REWRITTEN, *([ROUTING_AS_WRITTEN] if any(r.get(ROUTING_AS_WRITTEN) for r in result["rows"]) else []))
+    lines += ["", "| model | T | " + " | ".join(f"{f} ms" for f in shown) + " | slowest / fastest form |",
+              "|---|---|" + "---|" * len(shown) + "---|"]
     for r in result["rows"]:
         spread = f"{r['worst hpu_moe'] / r['best hpu_moe']:.2f}x" if r.get("worst hpu_moe") else "n/a"
-        lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(_ms(r.get(f)) for f in REWRITTEN)
+        lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(_ms(r.get(f)) for f in shown)
                      + f" | {spread} |")
     return "\n".join(lines) + "\n"
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_passes import fused_op, reference  # noqa: E402
+from moe_passes import fused_op, reference, routing_op  # noqa: E402
 from moe_passes.kernels import MoEConfig, TileConfig, choose_config, triton_kernels  # noqa: E402
 from moe_passes.kernels.align import check_alignment  # noqa: E402
 
@@ -257,6 +257,31 @@ def sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True):
     return best[0], repr(best[1])
 
 
+def bench_routing(args) -> list[dict]:
+    """The routing alone, GPU time per call, side by side: inductor's softmax → top-k → renormalise (the
+    chain as models write it, compiled) against `moe_passes.softmax_topk`'s Triton kernel."""
+    from moe_passes.kernels import triton_routing
+
+    chain = torch.compile(routing_op.reference, dynamic=False)
+    rows = []
+    for model in args.models:
+        experts, top_k = MODELS[model]["experts"], MODELS[model]["top_k"]
+        for tokens in args.tokens:
+            inputs = [(torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16),) for _ in range(ROTATE)]
+            weights, ids = triton_routing().softmax_topk(inputs[0][0], top_k, True, torch.bfloat16)
+            expected_weights, expected_ids = routing_op.reference(inputs[0][0], top_k, True, torch.bfloat16)
+            assert torch.equal(ids, expected_ids) and torch.allclose(weights, expected_weights, rtol=8e-3, atol=1e-6)
+            inductor = kernel_us(lambda x: chain(x, top_k, True, torch.bfloat16), inputs)  # noqa: B023
+            kernel = kernel_us(lambda x: triton_routing().softmax_topk(x, top_k, True, torch.bfloat16), inputs)  # noqa: B023
+            row = {"model": model, "tokens": tokens, "inductor_us": sum(inductor.values()), "inductor_kernels": inductor,
+                   "softmax_topk_us": sum(kernel.values())}
+            print(f"{model:14s} {tokens:5d} routing: inductor {row['inductor_us']:6.1f} us in {len(inductor)} kernels, "
+                  f"softmax_topk {row['softmax_topk_us']:6.1f} us ({row['inductor_us'] / row['softmax_topk_us']:.1f}x)"
+                  f"; inductor's: " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in inductor.items()), flush=True)
+            rows.append(row)
+    return rows
+
+
 def profile(model: str, tokens: int) -> None:
     """Where the time goes at one size: CPU issue time of each layer of the call, GPU time per kernel."""
     import time
@@ -311,7 +336,14 @@ def main(argv=None) -> int:
                         help="from this T on, time each kernel on the GPU and each GEMM against the matmul ceiling")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", nargs=2, action="append", metavar=("MODEL", "T"), default=[])
+    parser.add_argument("--routing", action="store_true", help="time only the routing: inductor's chain against softmax_topk")
     args = parser.parse_args(argv)
+    if args.routing:
+        rows = bench_routing(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        return 0
     for model, tokens in args.profile:
         print(f"profile {model} T={tokens}")
         profile(model, int(tokens))

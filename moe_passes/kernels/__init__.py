@@ -28,6 +28,21 @@ def triton_kernels():
     return triton_moe
 
 
+@functools.cache
+def triton_routing():
+    """The routing kernel's module, or None where Triton is missing or broken (as `triton_kernels`)."""
+    try:
+        from . import triton_routing as module
+    except Exception:  # ImportError, or a Triton that fails to initialise on this machine
+        return None
+    return module
+
+
+def routing_kernel_applies(router_logits: torch.Tensor, k: int, dtype: torch.dtype) -> bool:
+    """Whether `moe_passes::softmax_topk` runs its Triton kernel for these arguments."""
+    return router_logits.is_cuda and triton_routing() is not None and triton_routing().applies(router_logits, k, dtype)
+
+
 def kernel_applies(hidden_states: torch.Tensor, activation: str, gate: torch.Tensor, up: torch.Tensor) -> bool:
     """The conditions the Triton kernel covers; anything else takes the portable path."""
     return (
@@ -62,6 +77,6 @@ def fused_moe_cuda(hidden_states, table, router_weights, gate, up, down, permute
 
 
 __all__ = [
-    "MoEConfig", "TileConfig", "choose_config", "fused_moe_cuda", "kernel_applies", "traced_fused_moe",
-    "triton_kernels", "wrap_triton_available",
+    "MoEConfig", "TileConfig", "choose_config", "fused_moe_cuda", "kernel_applies", "routing_kernel_applies",
+    "traced_fused_moe", "triton_kernels", "triton_routing", "wrap_triton_available",
 ]
