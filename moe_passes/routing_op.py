@@ -45,7 +45,7 @@ def reference(router_logits: torch.Tensor, k: int, renormalize: bool, dtype: tor
 def softmax_topk(router_logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
     _check(router_logits, k)
     if kernels.routing_kernel_applies(router_logits, k, dtype):
-        return kernels.triton_routing().softmax_topk(router_logits, k, renormalize, dtype)
+        return kernels.routing_kernels().softmax_topk(router_logits, k, renormalize, dtype)
     return reference(router_logits, k, renormalize, dtype)
 
 
@@ -62,7 +62,7 @@ def _trace_into_kernel(mode, func, types, args, kwargs):
     router_logits, k, renormalize, dtype = args
     if plain and not kwargs and kernels.routing_kernel_applies(router_logits, k, dtype):
         with mode:
-            return kernels.triton_routing().softmax_topk(
+            return kernels.routing_kernels().softmax_topk(
                 router_logits, k, renormalize, dtype, launch=torch.library.wrap_triton
             )
     return mode.__torch_dispatch__(func, types, args, kwargs)

@@ -100,7 +100,7 @@ def test_the_option_is_checked():
 
 
 needs_kernel = pytest.mark.skipif(
-    not (torch.cuda.is_available() and kernels.triton_routing() is not None), reason="needs CUDA and Triton"
+    not (torch.cuda.is_available() and kernels.routing_kernels() is not None), reason="needs CUDA and Triton"
 )
 
 
@@ -111,7 +111,7 @@ def test_the_triton_kernel_matches_the_chain(tokens, experts, k, dtype):
     logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
     assert kernels.routing_kernel_applies(logits, k, dtype)
     for renormalize in (True, False):
-        weights, ids = kernels.triton_routing().softmax_topk(logits, k, renormalize, dtype)
+        weights, ids = kernels.routing_kernels().softmax_topk(logits, k, renormalize, dtype)
         expected_weights, expected_ids = _chain(logits, k, renormalize, dtype)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 8e-3)

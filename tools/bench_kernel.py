@@ -260,7 +260,7 @@ def sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True):
 def bench_routing(args) -> list[dict]:
     """The routing alone, GPU time per call, side by side: inductor's softmax → top-k → renormalise (the
     chain as models write it, compiled) against `moe_passes.softmax_topk`'s Triton kernel."""
-    from moe_passes.kernels import triton_routing
+    from moe_passes.kernels import routing_kernels
 
     chain = torch.compile(routing_op.reference, dynamic=False)
     rows = []
@@ -268,11 +268,11 @@ def bench_routing(args) -> list[dict]:
         experts, top_k = MODELS[model]["experts"], MODELS[model]["top_k"]
         for tokens in args.tokens:
             inputs = [(torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16),) for _ in range(ROTATE)]
-            weights, ids = triton_routing().softmax_topk(inputs[0][0], top_k, True, torch.bfloat16)
+            weights, ids = routing_kernels().softmax_topk(inputs[0][0], top_k, True, torch.bfloat16)
             expected_weights, expected_ids = routing_op.reference(inputs[0][0], top_k, True, torch.bfloat16)
             assert torch.equal(ids, expected_ids) and torch.allclose(weights, expected_weights, rtol=8e-3, atol=1e-6)
             inductor = kernel_us(lambda x: chain(x, top_k, True, torch.bfloat16), inputs)  # noqa: B023
-            kernel = kernel_us(lambda x: triton_routing().softmax_topk(x, top_k, True, torch.bfloat16), inputs)  # noqa: B023
+            kernel = kernel_us(lambda x: routing_kernels().softmax_topk(x, top_k, True, torch.bfloat16), inputs)  # noqa: B023
             row = {"model": model, "tokens": tokens, "inductor_us": sum(inductor.values()), "inductor_kernels": inductor,
                    "softmax_topk_us": sum(kernel.values())}
             print(f"{model:14s} {tokens:5d} routing: inductor {row['inductor_us']:6.1f} us in {len(inductor)} kernels, "

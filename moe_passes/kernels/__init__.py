@@ -29,7 +29,7 @@ def triton_kernels():
 
 
 @functools.cache
-def triton_routing():
+def routing_kernels():
     """The routing kernel's module, or None where Triton is missing or broken (as `triton_kernels`)."""
     try:
         from . import triton_routing as module
@@ -40,7 +40,7 @@ def triton_routing():
 
 def routing_kernel_applies(router_logits: torch.Tensor, k: int, dtype: torch.dtype) -> bool:
     """Whether `moe_passes::softmax_topk` runs its Triton kernel for these arguments."""
-    return router_logits.is_cuda and triton_routing() is not None and triton_routing().applies(router_logits, k, dtype)
+    return router_logits.is_cuda and routing_kernels() is not None and routing_kernels().applies(router_logits, k, dtype)
 
 
 def kernel_applies(hidden_states: torch.Tensor, activation: str, gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -78,5 +78,5 @@ def fused_moe_cuda(hidden_states, table, router_weights, gate, up, down, permute
 
 __all__ = [
     "MoEConfig", "TileConfig", "choose_config", "fused_moe_cuda", "kernel_applies", "routing_kernel_applies",
-    "traced_fused_moe", "triton_kernels", "triton_routing", "wrap_triton_available",
+    "routing_kernels", "traced_fused_moe", "triton_kernels", "wrap_triton_available",
 ]
