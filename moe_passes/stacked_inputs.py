@@ -62,9 +62,9 @@ class _Slices:
     is harmless.
     """
 
-    __slots__ = ("guards", "pointers", "indices", "tensors", "dtypes")
+    __slots__ = ("guards", "pointers", "indices", "slices", "dtypes")
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], stack: torch.Tensor):
         self.guards = None
         if _TensorGuards is not None:
             try:
@@ -74,12 +74,14 @@ class _Slices:
                 self.guards = None
         self.pointers = [t.data_ptr() for t in tensors]
         self.indices = list(range(len(tensors)))
-        self.tensors = list(tensors) if self.guards is None else None
+        # The stack's own slices, not the caller's tensors: `p.data = other` keeps the object `p`, which
+        # is always set to itself.
+        self.slices = list(stack.unbind(0)) if self.guards is None else None
         self.dtypes = [t.dtype for t in tensors]
 
     def still(self, tensors: list[torch.Tensor]) -> bool:
         if self.guards is None:
-            return all(map(torch.Tensor.is_set_to, tensors, self.tensors)) and list(
+            return all(map(torch.Tensor.is_set_to, tensors, self.slices)) and list(
                 map(_DTYPE, tensors)) == self.dtypes
         if not self.guards.check(*tensors):
             return False
@@ -126,7 +128,7 @@ class StackedGroup:
             self.last.entry = None  # let go of a stack the inputs have left
         view = _stacked_view(tensors)
         if view is not None and self._laid_out_as_compiled(view) and view.dtype == self.dtype:
-            self.last.entry = (view, _Slices(tensors))
+            self.last.entry = (view, _Slices(tensors, view))
             return view
         warnings.warn(
             "hpu_moe: per-expert weights are no longer slices of one stack laid out as compiled (a parameter "

@@ -165,6 +165,12 @@ def test_a_found_stack_is_reused_only_while_every_input_is_still_its_slice(check
         group.stack(moved)
     again = group.stack(stacked)
     assert again is not first and torch.equal(again, first) and group.stack(stacked) is again
+    group = StackedGroup((0, 1, 2, 3), (4, 3, 2), (6, 2, 1), torch.float32)  # found from the parameters
+    parameters = [torch.nn.Parameter(t, requires_grad=False) for t in stacked]
+    assert group.stack(parameters) is group.stack(parameters)
+    parameters[1].data = torch.zeros(3, 2)  # the same object pointed elsewhere, as load_state_dict(assign=True)
+    with pytest.warns(RuntimeWarning, match="stacked on every call"):
+        assert torch.equal(group.stack(parameters)[1], torch.zeros(3, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
