@@ -506,6 +506,12 @@ def _fake(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return hidden_states.new_empty(hidden_states.shape)
 
 
+def plain_tensors(types) -> bool:
+    """Whether a FunctionalTensorMode rule sees plain (fake or functional) tensors only, no subclass: the
+    case where an op may be traced into its Triton launches."""
+    return all(issubclass(t, (torch._subclasses.FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
+
+
 def _trace_into_kernel(mode, func, types, args, kwargs):
     """AOTAutograd's functionalization of a stacked overload: on CUDA, its Triton launches.
 
@@ -514,9 +520,8 @@ def _trace_into_kernel(mode, func, types, args, kwargs):
     an opaque call, and launches the kernels from its generated code. Anything the kernel does not
     cover (CPU, float32, tensor subclasses) stays the opaque op.
     """
-    plain = all(issubclass(t, (torch._subclasses.FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
     hidden_states = args[0]
-    if plain and not kwargs and hidden_states.is_cuda:
+    if plain_tensors(types) and not kwargs and hidden_states.is_cuda:
         with mode:  # the functional tensors may only be used under their mode
             hidden_states, table, router_weights, gate_up, down, permuted, activation, experts_min, count, inter = (
                 _stacked_arguments(func._overloadname, args)

@@ -16,10 +16,10 @@ leaves that order unspecified).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from . import kernels
-from .fused_op import NAMESPACE
+from .fused_op import NAMESPACE, plain_tensors
 
 SCHEMA = "softmax_topk(Tensor router_logits, int k, bool renormalize, ScalarType dtype) -> (Tensor, Tensor)"
 NAME = f"{NAMESPACE}::softmax_topk"
@@ -58,9 +58,8 @@ def _fake(router_logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.d
 def _trace_into_kernel(mode, func, types, args, kwargs):
     """AOTAutograd's functionalization of the op: on CUDA, its Triton launch (`wrap_triton`), so inductor
     launches the kernel from its generated code; anything else stays the opaque op."""
-    plain = all(issubclass(t, (torch._subclasses.FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
     router_logits, k, renormalize, dtype = args
-    if plain and not kwargs and kernels.routing_kernel_applies(router_logits, k, dtype):
+    if plain_tensors(types) and not kwargs and kernels.routing_kernel_applies(router_logits, k, dtype):
         with mode:
             return kernels.routing_kernels().softmax_topk(
                 router_logits, k, renormalize, dtype, launch=torch.library.wrap_triton

@@ -8,6 +8,7 @@ the portable implementation, so the op's result never depends on whether the ker
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -18,24 +19,24 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_ACTIVATIONS = tuple(ACTIVATIONS)  # the Triton kernel implements every one
 
 
-@functools.cache
-def triton_kernels():
-    """The Triton module, or None where Triton is missing or broken (imported once, on first CUDA use)."""
+def _load(name: str):
+    """A Triton kernel module of this package, or None where Triton is missing or broken."""
     try:
-        from . import triton_moe
+        return importlib.import_module(f"{__name__}.{name}")
     except Exception:  # ImportError, or a Triton that fails to initialise on this machine
         return None
-    return triton_moe
+
+
+@functools.cache
+def triton_kernels():
+    """The fused MoE kernels' module (imported once, on first CUDA use), or None without a working Triton."""
+    return _load("triton_moe")
 
 
 @functools.cache
 def routing_kernels():
-    """The routing kernel's module, or None where Triton is missing or broken (as `triton_kernels`)."""
-    try:
-        from . import triton_routing as module
-    except Exception:  # ImportError, or a Triton that fails to initialise on this machine
-        return None
-    return module
+    """The routing kernel's module, or None without a working Triton (as `triton_kernels`)."""
+    return _load("triton_routing")
 
 
 def routing_kernel_applies(router_logits: torch.Tensor, k: int, dtype: torch.dtype) -> bool:

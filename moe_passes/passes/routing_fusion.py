@@ -82,7 +82,7 @@ def _weights_chain(weights: Node, topk: Node) -> tuple[bool, list[Node]] | None:
     """(renormalized, chain nodes) when weights = [cast](v [/ v.sum(-1, keepdim=True)]), v = topk[0]."""
     chain = []
     node = weights
-    if is_cast(node) and is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
         chain.append(node)
         node = node.args[0]
     renormalized = False
@@ -140,21 +140,15 @@ def find(graph: Graph) -> list[RoutingChain]:
 
 def rewrite(graph: Graph, chain: RoutingChain) -> Node:
     """The fused calls read `softmax_topk(logits, ...)` instead of the chain, which is then removed."""
-    with graph.inserting_before(min((n for n in chain.nodes), key=_position(graph))):
-        fused = graph.call_function(routing_op.OP,
-                                    (chain.logits, chain.k, chain.renormalize, chain.dtype))
+    ordered = [n for n in graph.nodes if n in chain.nodes]
+    with graph.inserting_before(ordered[0]):
+        fused = graph.call_function(routing_op.OP, (chain.logits, chain.k, chain.renormalize, chain.dtype))
         weights = graph.call_function(operator.getitem, (fused, 0))
         ids = graph.call_function(operator.getitem, (fused, 1))
-    for node, meta in ((weights, chain.weights.meta.get("val")), (ids, chain.ids.meta.get("val"))):
-        node.meta["val"] = meta
-    fused.meta["val"] = (chain.weights.meta.get("val"), chain.ids.meta.get("val"))
+    weights.meta["val"], ids.meta["val"] = chain.weights.meta.get("val"), chain.ids.meta.get("val")
+    fused.meta["val"] = (weights.meta["val"], ids.meta["val"])
     chain.weights.replace_all_uses_with(weights)
     chain.ids.replace_all_uses_with(ids)
-    for node in reversed(list(n for n in graph.nodes if n in chain.nodes)):
+    for node in reversed(ordered):
         graph.erase_node(node)
     return fused
-
-
-def _position(graph: Graph):
-    order = {node: index for index, node in enumerate(graph.nodes)}
-    return order.__getitem__
