@@ -11,7 +11,10 @@ Each compiled form runs under inductor ("<form>+inductor") and under `hpu_moe` w
 and inner inductor ("hpu_moe[<form>]"), where the layer becomes one `torch.ops.moe_passes.mixture_of_experts`
 call. The limit is max(routed expert weight bytes / HBM bandwidth, FLOPs / bf16 matmul throughput),
 both ceilings measured in this run. Each time is the median over calls timed with CUDA events, inputs
-rotated so routing (and so the weights read) change every call.
+rotated so routing (and so the weights read) change every call, calls issued back to back (so a
+host-bound call shows its host time); the variants are timed in `--rounds` interleaved rounds and the
+median round is kept, because at small T the host time of one variant moves by up to 2x within a run.
+A third table gives each call's GPU time alone (torch.profiler), which host jitter does not touch.
 
     python tools/bench_gpu.py --json docs/bench/gpu.json --plot docs/bench/gpu.png --markdown docs/bench/gpu.md
     python tools/bench_gpu.py --render run1.json run2.json --markdown gpu.md   # saved runs, no GPU
@@ -25,6 +28,7 @@ import datetime
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -38,7 +42,7 @@ from patterns import hf_grouped_mm, mixtral4_sparse_loop, static_dense_loop  # n
 from patterns._common import settings  # noqa: E402
 from patterns._sparse_loop import SparseLoopMoE  # noqa: E402
 from patterns._stacked_experts import SparseMoeBlock  # noqa: E402
-from tools.bench_kernel import limit_ms, measure_ceilings, time_ms  # noqa: E402
+from tools.bench_kernel import kernel_us, limit_ms, measure_ceilings, time_ms  # noqa: E402
 
 MODELS = {
     "Mixtral-8x7B": dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
@@ -153,7 +157,7 @@ def variants(blocks: dict, fused_forms, mode: str) -> dict:
 
 
 def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: float, mode: str,
-                forms=()) -> list[dict]:
+                forms=(), rounds: int = 3) -> list[dict]:
     blocks = build(name, sizes)
     fused_forms = []
     with torch.no_grad():  # the forms hpu_moe fuses with the installed transformers (all, expectedly)
@@ -179,6 +183,7 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
             ids = [torch.topk(x.reshape(tokens, -1).float() @ gate.T, sizes["top_k"], -1).indices for (x,) in inputs]
         row = {"model": name, "tokens": tokens, "hpu_moe forms": fused_forms,
                "limit_ms": limit_ms(ids, sizes["hidden"], sizes["intermediate"], sizes["top_k"], ceilings)}
+        reps = {}
         with torch.no_grad():
             expected = blocks["eager loop"](*inputs[0]).float()
             for form, fn in fns.items():
@@ -203,8 +208,14 @@ def bench_model(name: str, sizes: dict, tokens_list, ceilings: dict, deadline: f
                 start = time.perf_counter()
                 fn(*inputs[1 % len(inputs)])
                 torch.cuda.synchronize()
-                fast = time.perf_counter() - start < 0.02  # many reps where they are cheap
-                row[form] = time_ms(fn, inputs, reps=40 if fast else 5, warmup=5 if fast else 1)
+                reps[form] = 40 if time.perf_counter() - start < 0.02 else 5  # many reps where they are cheap
+            for _ in range(rounds):  # interleaved: host jitter and drift spread over every variant alike
+                for form, n in reps.items():
+                    row.setdefault(form + " rounds", []).append(
+                        time_ms(fns[form], inputs, reps=n, warmup=5 if n > 5 else 1))
+            for form, n in reps.items():
+                row[form] = statistics.median(row[form + " rounds"])
+                row[form + " gpu ms"] = sum(kernel_us(fns[form], inputs, reps=min(n, 20)).values()) / 1000
         originals = [(row[f], f) for f in ORIGINAL if row.get(f)]
         if originals:
             row["best original"], row["best original form"] = min(originals)
@@ -222,7 +233,8 @@ def _ms(value) -> str:
 
 
 def markdown(result: dict) -> str:
-    """Two tables: the original forms against hpu_moe's slowest form, then hpu_moe on every form."""
+    """Three tables: the original forms against hpu_moe's slowest form, hpu_moe on every form, and the
+    GPU time alone of the best original against hpu_moe's slowest form (runs without it show none)."""
     head = (f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, bfloat16, "
             f"torch.compile mode {result.get('mode', 'default')!r}, "
             f"{result['date']}; HBM {result['ceilings']['hbm_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
@@ -247,6 +259,18 @@ def markdown(result: dict) -> str:
         spread = f"{r['worst hpu_moe'] / r['best hpu_moe']:.2f}x" if r.get("worst hpu_moe") else "n/a"
         lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(_ms(r.get(f)) for f in shown)
                      + f" | {spread} |")
+    if not any(k.endswith(" gpu ms") for r in result["rows"] for k in r):
+        return "\n".join(lines) + "\n"
+    lines += ["", "GPU time per call alone (torch.profiler: the kernels' time, the host's excluded):", "",
+              "| model | T | best original GPU ms | form | slowest hpu_moe GPU ms | form | best original / hpu_moe |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        originals = [(r[f + " gpu ms"], f) for f in ORIGINAL if r.get(f + " gpu ms")]
+        rewritten = [(r[f + " gpu ms"], f) for f in REWRITTEN if r.get(f + " gpu ms")]
+        if originals and rewritten:
+            (best, best_form), (worst, worst_form) = min(originals), max(rewritten)
+            lines.append(f"| {r['model']} | {r['tokens']} | {best:.3f} | {best_form} | {worst:.3f} | {worst_form} | "
+                         f"{best / worst:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -285,6 +309,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"],
                         help="torch.compile mode of every compiled variant")
     parser.add_argument("--forms", nargs="*", default=[], help="time only these variants (names as in the tables)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per size (median taken)")
     parser.add_argument("--merge", nargs="*", default=[], help="JSON results of earlier runs (other models) to add")
     parser.add_argument("--json")
     parser.add_argument("--plot")
@@ -307,7 +332,8 @@ def main(argv=None) -> int:
     print(f"{result['device']}: HBM {ceilings['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.models:
-        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode, args.forms)
+        result["rows"] += bench_model(name, MODELS[name], args.tokens, ceilings, deadline, args.mode, args.forms,
+                                      args.rounds)
         if args.json:  # after each model: a run the device's time limit stops keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

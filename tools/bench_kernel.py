@@ -5,9 +5,10 @@ every call, so weights come from HBM and not from L2), prints the kernel's time,
 grouped-matmul path and the physical limit max(routed weight bytes / HBM bandwidth, FLOPs / matmul
 throughput), both ceilings measured at the start of the same run. `--sweep` searches the tile
 configurations at each size, one GEMM at a time (the data behind `moe_passes/kernels/config.py`);
-`--profile` splits one call into its kernels. From `--gemm-tokens` on, each row also gives every
-kernel's GPU time, each GEMM's throughput against the matmul ceiling and, where the table picks the
-persistent TMA down kernel, the call's time with the pointer down kernel instead.
+`--profile` splits one call into its kernels; `--group-m` times the table's tiles with each GROUP_M
+(row blocks per column sweep). From `--gemm-tokens` on, each row also gives every kernel's GPU time,
+each GEMM's throughput against the matmul ceiling and, where the table picks the persistent TMA down
+kernel, the call's time with the pointer down kernel instead.
 
     python tools/bench_kernel.py                # check + time
     python tools/bench_kernel.py --sweep --tokens 1 16 128
@@ -37,6 +38,7 @@ MODELS = {
 }
 TOKENS = (1, 16, 128, 1024, 8192)
 ROTATE = 8  # routing tables cycled through while timing
+GROUP_MS = (4, 8, 16, 32)  # `--group-m`
 
 
 def time_ms(fn, inputs, reps: int = 30, warmup: int = 3) -> float:
@@ -208,6 +210,13 @@ def bench(args, ceilings) -> list[dict]:
                     row["sweep_in_out_best_ms"], row["sweep_in_out_best"] = sweep(
                         kernels, inputs, gate_t, up_t, down_t, tokens * sizes["top_k"], sizes["experts"], permuted=False)
                 del gate_t, up_t, down_t
+            if args.group_m:
+                row["group_m_us"] = group_sweep(kernels, inputs, gate, up, w3, tokens * sizes["top_k"], sizes["experts"])
+                if args.in_out:
+                    gate_t, up_t, down_t = (t.transpose(1, 2).contiguous() for t in (gate, up, w3))
+                    row["group_m_in_out_us"] = group_sweep(
+                        kernels, inputs, gate_t, up_t, down_t, tokens * sizes["top_k"], sizes["experts"], permuted=False)
+                    del gate_t, up_t, down_t
             if args.sweep and tokens in args.sweep_tokens:
                 best = sweep(kernels, inputs, gate, up, w3, tokens * sizes["top_k"], sizes["experts"])
                 row["sweep_best_ms"], row["sweep_best"] = best
@@ -255,6 +264,23 @@ def sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True):
         for tile in downs:
             best = min(best, (timed(MoEConfig(gate_up, tile)), MoEConfig(gate_up, tile)), key=lambda r: r[0])
     return best[0], repr(best[1])
+
+
+def group_sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True, rounds: int = 3) -> dict:
+    """GPU microseconds per call (profiler, host excluded) of the table's tiles with each GROUP_M (row blocks
+    sharing one column sweep), both GEMMs alike: the data behind `config._group_m`. Timed in interleaved
+    rounds and the median kept: within one run the same call's GPU time drifts by up to 9%."""
+    table = choose_config(pairs, experts, permuted)
+    configs = {g: MoEConfig(dataclasses.replace(table.gate_up, group_m=g), dataclasses.replace(table.down, group_m=g))
+               for g in GROUP_MS}
+    times = {g: [] for g in GROUP_MS}
+    for r in range(rounds):  # the order reversed every other round, so a drift favours no position
+        for g in GROUP_MS if r % 2 == 0 else GROUP_MS[::-1]:
+            cfg = configs[g]
+            times[g].append(sum(kernel_us(
+                lambda x, i, w: kernels.fused_moe(x, i, w, gate, up, down, permuted, "silu", 0, cfg),  # noqa: B023
+                inputs, reps=10).values()))
+    return {g: statistics.median(t) for g, t in times.items()}
 
 
 def bench_routing(args) -> list[dict]:
@@ -336,6 +362,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-tokens", nargs="*", type=int, default=[1024, 8192])
     parser.add_argument("--gemm-tokens", type=int, default=1024,
                         help="from this T on, time each kernel on the GPU and each GEMM against the matmul ceiling")
+    parser.add_argument("--group-m", action="store_true",
+                        help="also time the table's tiles with each GROUP_M (GPU time per call, both GEMMs alike)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", nargs=2, action="append", metavar=("MODEL", "T"), default=[])
     parser.add_argument("--routing", action="store_true", help="time only the routing: inductor's chain against softmax_topk")
@@ -374,6 +402,13 @@ def main(argv=None) -> int:
                   f"{r['down_of_matmul_ceiling']:.0%} of the matmul ceiling; per call: {kernels_line}"
                   + ("; down kernels side by side: " + ", ".join(f"{k} {v:.0f} us" for k, v in r["down_us"].items())
                      if "down_us" in r else ""))
+    for r in rows:
+        for key, layout in (("group_m_us", "[E, out, in]"), ("group_m_in_out_us", "[E, in, out]")):
+            if key in r:
+                table_g = choose_config(r["tokens"] * MODELS[r["model"]]["top_k"], MODELS[r["model"]]["experts"],
+                                        permuted=key == "group_m_us").gate_up.group_m
+                print(f"{r['model']:14s} {r['tokens']:5d} GPU us per call by GROUP_M, weights {layout}: "
+                      + ", ".join(f"{g} {us:.0f}" + (" (table)" if g == table_g else "") for g, us in r[key].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)

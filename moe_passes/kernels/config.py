@@ -69,9 +69,11 @@ def choose_config(pairs: int, experts: int, permuted: bool = True) -> MoEConfig:
 def _group_m(experts: int, many_experts: int) -> int:
     """Row blocks that share each column sweep. With few experts the row blocks are few and each weight
     tile is read by several of them: one sweep over all of them lets the later reads come from L2.
-    Mixtral sizes (8 experts), H100, 11-25, GPU time of the call: 32 against the former 8 saves 4.7% at
-    T = 1024 (4.4% with [E, in, out] weights), against the former 4 12% at T = 512; at T = 8192 the
-    difference is within run-to-run noise. Qwen3 sizes (128 experts): 4 to 8 stay best (within 1%)."""
+    `tools/bench_kernel.py --group-m --in-out` (H100, 11-25, `docs/bench/kernel_group_m_1125.log`, GPU
+    time per call), Mixtral sizes (8 experts), 32 against 8, both weight layouts: 4.2-5.0% less at
+    T = 1024, 5.0-5.8% at T = 512 (11% against the 4 that bracket had); at T = 8192, where the row blocks
+    are many, the groups differ by less than the run-to-run noise. Qwen3 sizes (128 experts): the
+    table's 4 or 8 is the fastest or within 1% of it, and 32 is 1-5% slower."""
     return 32 if experts <= 16 else many_experts
 
 
