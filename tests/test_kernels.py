@@ -110,14 +110,24 @@ def test_kernel_matches_the_reference(permuted, activation, tokens, experts, top
 
 
 @pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
-@pytest.mark.parametrize("tokens, experts, top_k, experts_min, held", [(1100, 8, 4, 0, 8), (2000, 64, 4, 8, 40)])
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, experts_min, held", [(1100, 8, 4, 0, 8), (2000, 64, 4, 8, 40), (64, 128, 8, 0, 128)]
+)
 def test_parallel_alignment_is_a_valid_layout(tokens, experts, top_k, experts_min, held):
-    """Past one chunk of pairs the layout is built by a parallel histogram, offsets and scatter."""
+    """Past one chunk of pairs, or with many experts, the layout is built by a parallel histogram,
+    offsets and scatter; where one program may take it, both paths build a valid layout."""
     triton_moe = kernels.triton_kernels()
     table = routing_table(tokens, experts, top_k, tokens, "cuda")
-    assert table.numel() > triton_moe.ALIGN_CHUNK
+    assert not triton_moe.one_program_alignment(table.numel(), held)
     for block_m in (16, 64, 128):
         check_alignment(table, experts_min, held, block_m, *triton_moe.align(table, experts_min, held, block_m))
+    small = table[: triton_moe.ALIGN_CHUNK // top_k]
+    for one_program in (True, False):
+        layout = triton_moe.align(small, experts_min, held, 16, one_program=one_program)
+        check_alignment(small, experts_min, held, 16, *layout)
+    too_many = routing_table(triton_moe.ALIGN_CHUNK // top_k + 1, experts, top_k, 0, "cuda")
+    with pytest.raises(ValueError, match="at most"):
+        triton_moe.align(too_many, experts_min, held, 16, one_program=True)
 
 
 def tma_device() -> bool:

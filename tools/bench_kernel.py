@@ -6,7 +6,7 @@ grouped-matmul path and the physical limit max(routed weight bytes / HBM bandwid
 throughput), both ceilings measured at the start of the same run. `--sweep` searches the tile
 configurations at each size, one GEMM at a time (the data behind `moe_passes/kernels/config.py`);
 `--profile` splits one call into its kernels; `--group-m` times the table's tiles with each GROUP_M
-(row blocks per column sweep). From `--gemm-tokens` on, each row also gives every kernel's GPU time,
+(row blocks per column sweep); `--align` times the alignment's two paths. From `--gemm-tokens` on, each row also gives every kernel's GPU time,
 each GEMM's throughput against the matmul ceiling and, where the table picks the persistent TMA down
 kernel, the call's time with the pointer down kernel instead.
 
@@ -283,6 +283,36 @@ def group_sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True, 
     return {g: statistics.median(t) for g, t in times.items()}
 
 
+ALIGN_SHAPES = ((8, 2), (64, 6), (128, 8), (256, 8))  # (experts, top_k) for `--align`
+
+
+def bench_align(args) -> list[dict]:
+    """The alignment alone, GPU time per call, both paths side by side (one program only where it can
+    run: up to ALIGN_CHUNK pairs), at the block_m the tile table picks: the data behind
+    `triton_moe.one_program_alignment`."""
+    triton_moe = triton_kernels()
+    rows = []
+    for experts, top_k in ALIGN_SHAPES:
+        for tokens in args.tokens:
+            pairs = tokens * top_k
+            block_m = choose_config(pairs, experts).block_m
+            inputs = [(routing(tokens, experts, top_k, seed)[0],) for seed in range(ROTATE)]
+            row = {"experts": experts, "top_k": top_k, "tokens": tokens, "pairs": pairs, "block_m": block_m,
+                   "rule": "one program" if triton_moe.one_program_alignment(pairs, experts) else "many"}
+            for path, one in (("one program", True), ("many", False)):
+                if one and pairs > triton_moe.ALIGN_CHUNK:
+                    continue
+                check_alignment(inputs[0][0], 0, experts, block_m, *triton_moe.align(inputs[0][0], 0, experts, block_m,
+                                                                                     one_program=one))
+                row[path + " us"] = sum(kernel_us(
+                    lambda t: triton_moe.align(t, 0, experts, block_m, one_program=one), inputs).values())  # noqa: B023
+            print(f"E={experts:3d} top-{top_k} T={tokens:5d} pairs={pairs:6d} block_m={block_m:3d}: "
+                  + ", ".join(f"{p} {row[p + ' us']:.1f} us" for p in ("one program", "many") if p + " us" in row)
+                  + f"; the rule takes {row['rule']}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def bench_routing(args) -> list[dict]:
     """The routing alone, GPU time per call, side by side: inductor's softmax → top-k → renormalise (the
     chain as models write it, compiled) against `moe_passes.softmax_topk`'s Triton kernel."""
@@ -367,9 +397,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", nargs=2, action="append", metavar=("MODEL", "T"), default=[])
     parser.add_argument("--routing", action="store_true", help="time only the routing: inductor's chain against softmax_topk")
+    parser.add_argument("--align", action="store_true", help="time only the alignment: one program against the parallel path")
     args = parser.parse_args(argv)
-    if args.routing:
-        rows = bench_routing(args)
+    if args.routing or args.align:
+        rows = bench_routing(args) if args.routing else bench_align(args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -3,7 +3,7 @@
 Design (after vLLM's fused_moe, written anew for this op's semantics):
 1. Alignment: count the routed pairs per expert, pad each count to block_m, write each block's expert
    and each expert's first padded row, then place every pair in its expert's group with an atomic
-   cursor. Up to ALIGN_CHUNK pairs one program does it all (`_align_counts`); beyond, a histogram over
+   cursor. For few pairs over few experts one program does it all (`_align_counts`); else a histogram over
    chunks (`_align_histogram`), the offsets (`_align_offsets`) and the placement (`_align_scatter`)
    each run over many programs. Nothing leaves the device.
 2. `_gate_up_kernel`: per block of block_m same-expert rows, gathers the token rows of x and computes
@@ -31,7 +31,7 @@ from .config import MoEConfig, choose_config
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 DTYPES = (torch.bfloat16, torch.float16)
-ALIGN_CHUNK = 4096  # up to this many pairs, one program builds the layout
+ALIGN_CHUNK = 1024  # one program builds the layout for at most this many pairs (fewer with many experts)
 HISTOGRAM_CHUNK = 1024  # beyond: pairs (and rows to fill) per program of the parallel histogram
 SCATTER_CHUNK = 256  # pairs per program placing them (small: many programs share the atomic cursors)
 
@@ -302,16 +302,34 @@ def _direct(kernel):
     return kernel
 
 
-def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int, launch=_direct):
+def one_program_alignment(pairs: int, experts: int) -> bool:
+    """Whether one program builds the layout (one launch) rather than the parallel path (three launches
+    and a fill). One program's time grows with the pairs and with its histogram's bins (the experts);
+    the parallel path's stays near its launches' latency. `tools/bench_kernel.py --align` (H100, 11-25,
+    `docs/bench/align_1125.log`): with 8 and 64 experts one program is ahead up to 1024 pairs, with 128
+    up to 256 (level at 512, behind at 1024), with 256 never. The bins are static, so with many experts
+    no guard on the (maybe symbolic) pairs is added."""
+    bins = triton.next_power_of_2(experts + 1)
+    if bins > 256:
+        return False
+    return pairs <= (ALIGN_CHUNK if bins <= 128 else ALIGN_CHUNK // 4)
+
+
+def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int, launch=_direct,
+          one_program: bool | None = None):
     """The block-padded, expert-sorted layout of `table` (see align.py), built on the device.
 
-    Few pairs take one program (one launch); many take a histogram over chunks, one program for the
-    offsets and a scatter over chunks, since one program walking every pair is slow at prefill sizes.
-    Sizes may be symbolic (when inductor traces the launches), so nothing here branches on them but
-    that choice.
+    One program (one launch) where `one_program_alignment` says so; otherwise a histogram over chunks,
+    one program for the offsets and a scatter over chunks. Sizes may be symbolic (when inductor traces
+    the launches), so nothing here branches on them but that choice. `one_program` forces a path (for
+    the benchmark).
     """
     flat = table.reshape(-1)
     pairs = flat.numel()
+    if one_program is None:
+        one_program = one_program_alignment(pairs, experts)
+    elif one_program and pairs > ALIGN_CHUNK:
+        raise ValueError(f"one program aligns at most {ALIGN_CHUNK} pairs, got {pairs}")
     blocks = block_count(pairs, experts, block_m)
     rows = blocks * block_m
     device = table.device
@@ -321,7 +339,7 @@ def align(table: torch.Tensor, experts_min: int, experts: int, block_m: int, lau
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(experts + 1)
     block_chunk = max(1, min(64, 8192 // bins))
-    if pairs <= ALIGN_CHUNK:
+    if one_program:
         launch(_align_counts)[(1,)](
             flat, cursor, block_expert, used, sorted_pairs, pairs, experts_min, experts, blocks,
             BLOCK_M=block_m, BINS=bins, CHUNK=ALIGN_CHUNK, BLOCK_CHUNK=block_chunk, num_warps=8,
