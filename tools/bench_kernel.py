@@ -6,9 +6,10 @@ grouped-matmul path and the physical limit max(routed weight bytes / HBM bandwid
 throughput), both ceilings measured at the start of the same run. `--sweep` searches the tile
 configurations at each size, one GEMM at a time (the data behind `moe_passes/kernels/config.py`);
 `--profile` splits one call into its kernels; `--group-m` times the table's tiles with each GROUP_M
-(row blocks per column sweep); `--align` times the alignment's two paths. From `--gemm-tokens` on, each row also gives every kernel's GPU time,
-each GEMM's throughput against the matmul ceiling and, where the table picks the persistent TMA down
-kernel, the call's time with the pointer down kernel instead.
+(row blocks per column sweep); `--align` times the alignment's two paths. From `--gemm-tokens` on,
+each row also gives every kernel's GPU time, each GEMM's throughput against the matmul ceiling and,
+where the table picks the persistent TMA down kernel, the call's time with the pointer down kernel
+instead.
 
     python tools/bench_kernel.py                # check + time
     python tools/bench_kernel.py --sweep --tokens 1 16 128
@@ -269,7 +270,7 @@ def sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True):
 def group_sweep(kernels, inputs, gate, up, down, pairs, experts, permuted=True, rounds: int = 3) -> dict:
     """GPU microseconds per call (profiler, host excluded) of the table's tiles with each GROUP_M (row blocks
     sharing one column sweep), both GEMMs alike: the data behind `config._group_m`. Timed in interleaved
-    rounds and the median kept: within one run the same call's GPU time drifts by up to 9%."""
+    rounds and the median kept: within one run the same call's GPU time drifts by up to 8%."""
     table = choose_config(pairs, experts, permuted)
     configs = {g: MoEConfig(dataclasses.replace(table.gate_up, group_m=g), dataclasses.replace(table.down, group_m=g))
                for g in GROUP_MS}
