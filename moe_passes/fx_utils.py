@@ -77,6 +77,11 @@ def dtype(node: Node) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
+def device(node: Node) -> torch.device | None:
+    v = val(node)
+    return v.device if isinstance(v, torch.Tensor) else None
+
+
 def strip_shape_ops(node: Node) -> Node:
     """Walk up through view/reshape/unsqueeze/... to the node that produced the values."""
     while is_call(node, *SHAPE_ONLY_OPS):

@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 
 from .. import routing_op
 from ..fused_op import NAMESPACE
-from ..fx_utils import arguments, dtype, is_call, is_cast, is_getitem, shape, val
+from ..fx_utils import arguments, device, dtype, is_call, is_cast, is_getitem, shape
 
 aten = torch.ops.aten
 
@@ -99,11 +99,6 @@ def _weights_chain(weights: Node, topk: Node) -> tuple[bool, list[Node]] | None:
     return renormalized, [*chain, node]
 
 
-def _device(node: Node) -> torch.device | None:
-    value = val(node)
-    return value.device if isinstance(value, torch.Tensor) else None
-
-
 def _read_only_by(nodes: set[Node], calls: set[Node]) -> bool:
     return all(user in nodes or user in calls for node in nodes for user in node.users)
 
@@ -129,7 +124,7 @@ def find(graph: Graph) -> list[RoutingChain]:
             continue
         nodes = {softmax, topk, ids, *weight_nodes}
         if (is_cast(logits) and len(logits.users) == 1 and dtype(logits.args[0]) in (torch.bfloat16, torch.float16)
-                and _device(logits.args[0]) == _device(logits)):
+                and device(logits.args[0]) == device(logits)):
             nodes.add(logits)  # the kernel reads the lower-precision logits and upcasts them itself
             logits = logits.args[0]
         if not _read_only_by(nodes, set(calls)):
