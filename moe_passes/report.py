@@ -31,6 +31,8 @@ class Fused:
     restacked: int = 0  # per-expert weight tensors moved into stacks for the portable op (restack.py)
     compiled_as: str | None = None  # the stacked overload the compiled graph calls instead (stacked_inputs.py)
     routing_fused: bool = False  # its routing chain runs as one softmax_topk call (passes/routing_fusion.py)
+    # Ids no op of the graph bounds: how the call checks them, e.g. "0..7, negative ids wrapped (aten.index)"
+    ids_checked: str | None = None
 
     def experts_text(self) -> str:
         """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
@@ -252,6 +254,8 @@ class Report:
                 error += f", compiled as {f.compiled_as} on stacked inputs"
             if f.routing_fused:
                 error += ", routing as one softmax_topk call"
+            if f.ids_checked:
+                error += f", routing ids from outside the graph checked at run time: {f.ids_checked}"
             lines.append(
                 f"    [graph {f.graph}] {f.layer}: {f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"

@@ -225,13 +225,18 @@ def _poison_unrouted(args, table, lists):
     return args
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["separate", "stacked"])
 @pytest.mark.parametrize("overload", ["default", "fused_weights", "bias_fused_weights"])
-def test_unrouted_experts_are_never_touched(overload):
-    """NaN weights on every expert no token chose must not reach the output."""
+def test_unrouted_experts_are_never_touched(overload, stacked):
+    """NaN weights on every expert no token chose must not reach the output, whichever path runs (the
+    loop over routed experts for separate tensors, grouped matmuls over views of one stack)."""
     args, kwargs = case(overload, tokens=2, experts=64, top_k=1)
     clean = run_op(overload, args, kwargs)
     lists = [i for i, a in enumerate(args) if isinstance(a, list)]
-    poisoned = run_op(overload, _poison_unrouted(list(args), args[1], lists), kwargs)
+    poisoned = _poison_unrouted(list(args), args[1], lists)
+    if stacked:
+        poisoned = [list(torch.stack(a).unbind(0)) if i in lists else a for i, a in enumerate(poisoned)]
+    poisoned = run_op(overload, poisoned, kwargs)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
 
@@ -555,7 +560,7 @@ def test_grouped_path_matches_the_reference(monkeypatch, tokens, experts, top_k,
 
 
 def test_stacked_view_is_recovered_only_from_consecutive_slices():
-    from moe_passes.fused_op import _stacked_view
+    from moe_passes.stacks import stacked_view as _stacked_view
 
     stacked = torch.randn(4, 6, 8)
     assert torch.equal(_stacked_view(list(stacked.unbind(0))), stacked)

@@ -110,6 +110,23 @@ def test_kernel_matches_the_reference(permuted, activation, tokens, experts, top
 
 
 @pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("tokens", [3, 4096])
+def test_kernel_never_reads_an_expert_no_token_is_routed_to(tokens):
+    """NaN weights in experts 8..15, ids only 0..7: the output is finite and as if those experts were
+    zero (decode tiles at 3 tokens, prefill tiles and the persistent down kernel at 4096)."""
+    table = routing_table(tokens, 8, 2, tokens, "cuda")
+    x = torch.randn(tokens, 128, device="cuda").bfloat16()
+    w = torch.rand(tokens, 2, device="cuda").bfloat16()
+    w12 = (torch.randn(16, 192, 128, device="cuda") / 10).bfloat16()
+    w3 = (torch.randn(16, 128, 96, device="cuda") / 10).bfloat16()
+    clean = torch.ops.moe_passes.mixture_of_experts.stacked_fused_weights(x, table, w, w12, w3, True, "silu", 0, 15)
+    w12[8:], w3[8:] = float("nan"), float("nan")
+    poisoned = torch.ops.moe_passes.mixture_of_experts.stacked_fused_weights(x, table, w, w12, w3, True, "silu", 0, 15)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize(
     "tokens, experts, top_k, experts_min, held", [(1100, 8, 4, 0, 8), (2000, 64, 4, 8, 40), (64, 128, 8, 0, 128)]
 )

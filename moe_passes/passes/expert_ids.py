@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_getitem, shape
+from ..fx_utils import arguments, const_int, is_call, is_getitem, shape
+from .matches import IdsCheck
 
 aten = torch.ops.aten
 
@@ -185,3 +186,146 @@ class _Reader:
             raise _Unreadable from error
         self.positional[node] = bool(derived) and all(self.positional.get(a, False) for a in derived)
         return value
+
+
+# --- Ids no op of the graph bounds -------------------------------------------------------------------
+#
+# Ids handed to the graph as an input (an experts module compiled on its own, routing computed in an
+# earlier graph) can hold any value. The kernel skips an id outside its held range; the region's own ops
+# may not: `w[ids]` wraps a negative id and raises past the end, `one_hot` and `scatter` raise, and a sort
+# or a histogram of the ids turns an out-of-range id into rows the groups no longer line up with. What the
+# region does decides what the fused call must do first (`IdsCheck`).
+
+DROPS, WRAPS, RAISES = "drops", "wraps", "raises"
+
+# Ops an id passes through with its value unchanged (only where it sits, or how often, changes).
+_VALUE_KEEPING = (
+    *_ORDER_KEEPING,
+    aten._to_copy.default,
+    aten.expand.default,
+    aten.repeat.default,
+    aten.repeat_interleave.self_int,
+    aten.permute.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.select.int,
+    aten.slice.Tensor,
+)
+# Ops that read an id as the position of a row along `dim` of `source`, and raise outside 0..rows-1:
+# {op: (the index argument, the indexed tensor's argument, its dim (an argument name or a fixed dim))}.
+_INDEXING = {
+    aten.index_select.default: ("index", "self", "dim"),
+    aten.gather.default: ("index", "self", "dim"),
+    aten.scatter.src: ("index", "self", "dim"),
+    aten.scatter.value: ("index", "self", "dim"),
+    aten.scatter_add.default: ("index", "self", "dim"),
+    aten.scatter_reduce.two: ("index", "self", "dim"),
+    aten.index_add.default: ("index", "self", "dim"),
+    aten.index_copy.default: ("index", "self", "dim"),
+    aten.embedding.default: ("indices", "weight", 0),
+}
+_SELECTED_BY = (aten.index.Tensor, aten.index_select.default, aten.gather.default)  # ids[perm]: values kept
+
+
+@dataclass(frozen=True)
+class IdRead:
+    """How one op of the region treats an id outside the experts it indexes.
+
+    DROPS: compares ids with expert numbers (`ids == e`): an unknown id matches none, as in the kernel.
+    WRAPS: Python indexing of `rows` rows (`w[ids]`): a negative id counts from the end, others raise.
+    RAISES: raises outside 0..rows-1 (`one_hot`, `scatter`, `index_select`), or (rows None) gives an
+    out-of-range id no meaning the kernel could share (a sort or histogram of the ids, a clamp).
+    """
+
+    how: str
+    rows: int | None
+    op: str
+
+
+class UnboundedIds(Exception):
+    """The ids' range is not proved and the region reads them in a way the fused call cannot keep."""
+
+
+def id_reads(ids: Node, region: frozenset[Node]) -> list[IdRead]:
+    """How the region's ops read the values of `ids`, followed through the ops that keep those values
+    (views of the ids count as the region's input, not as part of it); nothing found reads as unknown."""
+    reads, stack, seen = [], [ids], {ids}
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            read = _read_by(user, node)
+            if read is None:
+                stack.append(user)
+            elif user in region:
+                reads.append(read)
+    return reads or [IdRead(RAISES, None, "no op the region reads them with")]
+
+
+def _read_by(user: Node, value: Node) -> IdRead | None:
+    """How `user` reads the ids `value` holds, or None when it passes them on unchanged."""
+    if _made_by(user) is torch.nn.functional.one_hot:  # eq(ids[..., None], arange(n)) once traced
+        if is_call(user, aten.eq.Tensor):
+            return IdRead(RAISES, const_int((shape(user) or (None,))[-1]), "one_hot")
+        return None
+    if user.target in _VALUE_KEEPING or (is_getitem(user, 0) and is_call(user.args[0], aten.sort.default)):
+        return None
+    if is_call(user, aten.eq.Scalar, aten.eq.Tensor):
+        return IdRead(DROPS, None, "aten.eq")
+    if user.target in _SELECTED_BY and user.args[0] is value:
+        return None  # ids[perm]: the same values, in another order
+    if is_call(user, aten.index.Tensor):
+        position = next((d for d, index in enumerate(user.args[1]) if index is value), None)
+        rows = const_int(shape(user.args[0])[position]) if position is not None else None
+        return IdRead(WRAPS if rows is not None else RAISES, rows, "aten.index")
+    if user.target in _INDEXING:
+        return IdRead(RAISES, _indexed_rows(user, value), str(user.target.overloadpacket))
+    op = str(getattr(user.target, "overloadpacket", getattr(user.target, "__name__", user.target)))
+    return IdRead(RAISES, None, op)
+
+
+def _made_by(node: Node):
+    """The torch function of the user's code that a traced node came from (dynamo's source_fn_stack)."""
+    stack = node.meta.get("source_fn_stack") or ()
+    return stack[-1][1] if stack else None
+
+
+def _indexed_rows(user: Node, value: Node) -> int | None:
+    index_name, source_name, dim = _INDEXING[user.target]
+    values = arguments(user) or {}
+    if values.get(index_name) is not value:
+        return None
+    source = shape(values.get(source_name))
+    dim = values.get(dim) if isinstance(dim, str) else dim
+    if source is None or not isinstance(dim, int):
+        return None
+    return const_int(source[dim])
+
+
+def check_unbounded_ids(ids: Node, region: frozenset[Node], first: int, count: int, partial: bool) -> IdsCheck | None:
+    """What the fused call must check of ids whose range is not proved, holding experts first..first+count-1.
+
+    None where every read drops an unknown id, as the kernel does (loops comparing ids with expert
+    numbers); a wrap and a range check where every read is Python indexing of the E experts; else a
+    range check to the bound the reads raise at (an out-of-range id there either raises in the region or
+    gives its result no meaning). `partial`: the region may hold part of the router's experts, so ids
+    outside the held ones are valid; then a read with no bound is declined (UnboundedIds).
+    """
+    reads = id_reads(ids, region)
+    if all(r.how == DROPS for r in reads):
+        return None
+    read_by = ", ".join(sorted({r.op for r in reads if r.how != DROPS}))
+    if all(r.how == WRAPS and r.rows == count for r in reads) and first == 0:
+        return IdsCheck(0, count - 1, count, read_by)
+    bounds = [r.rows for r in reads if r.how != DROPS]
+    if any(b is None for b in bounds):
+        if partial:
+            raise UnboundedIds(
+                f"the routing ids come from outside the graph and {read_by} reads them with no bound, so ids of "
+                f"experts other ranks hold cannot be told from invalid ones"
+            )
+        return IdsCheck(first, first + count - 1, None, read_by)
+    high = min(bounds) - 1
+    return IdsCheck(0, high if partial else min(high, first + count - 1), None, read_by)

@@ -566,4 +566,4 @@ def _routing_width(ids: Node) -> int | None:
     return describe(ids, ids).num_experts
 
 
-FINDER = Finder(FORM, TERM_ENDS, _candidates, match_accumulation)
+FINDER = Finder(FORM, TERM_ENDS, _candidates, match_accumulation, reads_every_expert=True)

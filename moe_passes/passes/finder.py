@@ -35,6 +35,9 @@ class Finder:
     anchors: tuple  # OpOverloads whose nodes may end (or start) a region of this form
     candidates: Callable[[torch.fx.Graph, list[Node]], Iterable[Candidate]]
     match: Callable[[Any], Result]
+    # The form runs every expert on every token and zeroes the unrouted results (0 * y): a NaN or inf in
+    # an expert no token is routed to reaches eager's output, never the fused call's (strict declines).
+    reads_every_expert: bool = False
 
     def anchor_nodes(self, graph: torch.fx.Graph) -> list[Node]:
         """The graph's nodes of the anchor ops, in graph order."""

@@ -56,6 +56,25 @@ class RoutingInfo:
 
 
 @dataclass(frozen=True)
+class IdsCheck:
+    """What the fused call does first with routing ids no op of the graph bounds (ids handed in as an
+    input, from routing computed elsewhere), so that it computes what the region computes, or raises
+    where the region cannot have computed anything.
+
+    The kernel skips ids outside its held range; the region's own ops may instead wrap a negative id
+    (Python indexing of `wrap` rows), raise on an id out of range, or read one inconsistently. `wrap`:
+    `wrap` is added to negative ids first; then every id must lie in `low..high`, else the call raises
+    (`_assert_async`: checked on the device, no host synchronisation).
+    """
+
+    low: int
+    high: int
+    wrap: int | None
+    read_by: str  # the op of the region whose treatment of an out-of-range id decides, e.g. "aten.index"
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class ExpertsMatch:
     """An expert region that computes, for every token t: sum_j w[t,j] * MLP_{ids[t,j]}(x[t])."""
 
@@ -85,6 +104,8 @@ class ExpertsMatch:
     # occur either); "dropped", an id >= E contributes nothing, as in the kernel (no id may be negative).
     # The pipeline checks this against the values the routing ids can take.
     sentinels: str | None = None
+    # Set by the pipeline where the ids' range is not proved: what the call checks before it runs.
+    ids_check: IdsCheck | None = None
 
     @property
     def experts_max(self) -> int:

@@ -32,7 +32,7 @@ from . import (
     experts_sparse_loop,
     routing,
 )
-from .expert_ids import ExpertIds, read_expert_ids
+from .expert_ids import ExpertIds, UnboundedIds, check_unbounded_ids, read_expert_ids
 from .finder import Finder
 from .matches import Decline, ExpertsMatch, RoutingInfo
 from .rewrite import rewrite_experts
@@ -234,6 +234,16 @@ def rounding_needed(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
     )
 
 
+def _not_exact(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
+    """Strict mode: why the fused call could give another result than the layer as written, or None."""
+    if any(f.reads_every_expert for f in FINDERS if f.name == match.form):
+        return (
+            "strict: the layer as written runs every expert on every token, so a NaN or inf in an expert no "
+            "token is routed to reaches its output; the fused kernel reads only the routed experts"
+        )
+    return rounding_needed(match, region)
+
+
 def _dtypes_used_at(node: Node, region: set[Node]) -> set[torch.dtype]:
     """The dtypes in which the region computes with `node`'s values (after the casts the model made)."""
     used, stack, seen = set(), [node], set()
@@ -332,14 +342,34 @@ def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -
         region = frozenset(region_of(result))
         info = routing.describe(result.ids, result.weights)
         ids = read_expert_ids(result.ids)
-        reason = check(result, region, info, ids) or (rounding_needed(result, region) if strict else None)
+        reason = check(result, region, info, ids) or (_not_exact(result, region) if strict else None)
         if reason is not None:
             found.rejected.append(Rejected(_layer_of(result), result.form, reason, result.output))
             continue
+        if ids is None and info.num_experts is None:  # no op of the graph bounds the ids
+            try:
+                result = _with_ids_check(result, region)
+            except UnboundedIds as error:
+                found.rejected.append(Rejected(_layer_of(result), result.form, str(error), result.output))
+                continue
         lowered = on_router_ids(result, ids)
         if lowered is not result:
             info = routing.describe(lowered.ids, lowered.weights)
         found.accepted.append(Accepted(lowered, _layer_of(result), info, region))
+
+
+def _with_ids_check(match: ExpertsMatch, region: frozenset[Node]) -> ExpertsMatch:
+    """`match` with the check its call makes of ids no op of the graph bounds (expert_ids.IdsCheck)."""
+    ids_check = check_unbounded_ids(
+        match.ids, region, match.experts_min, match.num_experts, match.form in PARTIAL_RANGE_FORMS
+    )
+    if ids_check is None:
+        return match
+    message = (
+        f"hpu_moe: a routing id of {_layer_of(match)} lies outside {ids_check.low}..{ids_check.high}, where "
+        f"the layer as written raises or gives no meaningful result ({ids_check.read_by})"
+    )
+    return dataclasses.replace(match, ids_check=dataclasses.replace(ids_check, message=message))
 
 
 def apply(gm: GraphModule, found: Found, target: str) -> list[Node]:

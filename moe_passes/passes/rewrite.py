@@ -14,7 +14,7 @@ from torch.fx.node import map_arg
 
 from .. import lowering
 from ..fx_utils import dtype, shape, val
-from .matches import ExpertsMatch, ExpertWeights
+from .matches import ExpertsMatch, ExpertWeights, IdsCheck
 
 aten = torch.ops.aten
 
@@ -77,6 +77,18 @@ def _cast(emit: _Emitter, node: Node, to: torch.dtype) -> Node:
     return emit.call(aten._to_copy.default, (node,), {"dtype": to})
 
 
+def _checked(emit: _Emitter, ids: Node, check: IdsCheck) -> Node:
+    """The ids the call takes where no op of the graph bounds them: negative ids wrapped as the region's
+    indexing wraps them, then every id asserted in range on the device (no host synchronisation)."""
+    if check.wrap is not None:
+        negative = emit.call(aten.lt.Scalar, (ids, 0))
+        ids = emit.call(aten.where.self, (negative, emit.call(aten.add.Tensor, (ids, check.wrap)), ids))
+    above = emit.call(aten.ge.Scalar, (ids, check.low))
+    inside = emit.call(aten.bitwise_and.Tensor, (above, emit.call(aten.le.Scalar, (ids, check.high))))
+    emit.call(aten._assert_async.msg, (emit.call(aten.all.default, (inside,)), check.message))
+    return ids
+
+
 def _sizes_for(emit: _Emitter, output: Node, hidden: Node) -> list:
     """`output`'s shape as reshape arguments: a symbolic size is never written as a bare SymInt (the
     graph's code could not name it) but as -1 when it is the only one, else read off the hidden states
@@ -104,6 +116,8 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         hidden_shape = shape(match.hidden)
         x = _as_2d(emit, match.hidden, hidden_shape[-1])
         ids = _cast(emit, _as_2d(emit, match.ids, match.top_k), torch.int64)
+        if match.ids_check is not None:
+            ids = _checked(emit, ids, match.ids_check)
         weights = _cast(emit, _as_2d(emit, match.weights, match.top_k), dtype(x))
         values = {"hidden_states": x, "expert_routing_table": ids, "router_weights": weights}
         overload = match.overload
