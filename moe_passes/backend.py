@@ -29,8 +29,9 @@ from .passes.matches import RoutingInfo
 from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import format_graph, node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord, next_graph_index, publish
-from .restack import restack_weight_lists, unstack
+from .restack import restack_weight_lists
 from .stacked_inputs import Taken, find_list_calls, take_stacks, with_stacked_inputs
+from .stacks import unstack
 from .steps import Steps, count, keep_graph_texts, trace_artifact
 from .subclass_inputs import SubclassOutput
 from .verify import compare_rewrite
@@ -149,7 +150,16 @@ def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: in
         graph=graph_index,
         experts_min=match.experts_min,
         router_experts=match.router_experts or accepted.routing.num_experts,
+        ids_checked=_ids_checked_text(match.ids_check),
     )
+
+
+def _ids_checked_text(check) -> str | None:
+    """"0..7, negative ids wrapped (aten.index)": how a call checks ids no op of the graph bounds."""
+    if check is None:
+        return None
+    wrapped = ", negative ids wrapped" if check.wrap is not None else ""
+    return f"{check.low}..{check.high}{wrapped} ({check.read_by})"
 
 
 def routing_text(info: RoutingInfo) -> str:

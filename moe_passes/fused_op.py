@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from . import kernels, reference
+from .stacks import stacked_view
 
 NAMESPACE = "moe_passes"
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
@@ -203,30 +204,6 @@ GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float
 CPU_GROUPED_MAX_ROWS = 128
 
 
-def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The [E, ...] tensor that `tensors` are consecutive equal-stride slices of, or None.
-
-    Lets the list overloads run the stacked implementation when their lists are `unbind` of one
-    parameter. Addresses first (an integer each), then one metadata comparison per tensor. The strided
-    view is taken over the first tensor's storage, whose bounds torch checks, so tensors that merely
-    lie evenly spaced in memory are never read as one.
-    """
-    first = tensors[0]
-    pointers = [t.data_ptr() for t in tensors]
-    step = pointers[1] - pointers[0] if len(tensors) > 1 else first.numel() * first.element_size()
-    if step <= 0 or step % first.element_size() or pointers != list(range(pointers[0], pointers[-1] + 1, step)):
-        return None
-    shape, strides, dtype = first.shape, first.stride(), first.dtype
-    if not all(t.shape == shape and t.stride() == strides and t.dtype == dtype for t in tensors):
-        return None
-    try:
-        return first.as_strided(
-            (len(tensors), *shape), (step // first.element_size(), *strides), first.storage_offset()
-        )
-    except RuntimeError:  # past the end of the first tensor's storage: separate allocations
-        return None
-
-
 def _grouped_fused(
     hidden_states, table, router_weights, gate_up: Sequence[torch.Tensor], down, permuted: bool, act,
     experts_min: int, count: int,
@@ -336,7 +313,7 @@ def mixture_of_experts(
     _check_lengths({"w1": w1, "w2": w2, "w3": w3}, count)
     hidden, dtype = hidden_states.shape[1], hidden_states.dtype
     inter = _intermediate_size("w1[0]", w1[0], hidden, permuted_weights, parts=1)
-    stacks = [_stacked_view(w) for w in (w1, w2, w3)]
+    stacks = [stacked_view(w) for w in (w1, w2, w3)]
     for name, weights, stack in (("w1", w1, stacks[0]), ("w2", w2, stacks[1])):
         _check_list(name, weights, _layout(inter, hidden, permuted_weights), dtype, stack is not None)
     _check_list("w3", w3, _layout(hidden, inter, permuted_weights), dtype, stacks[2] is not None)
@@ -377,7 +354,7 @@ def mixture_of_experts_fused_weights(
     _check_routing(hidden_states, expert_routing_table, router_weights)
     count = _expert_count(experts_min, experts_max)
     _check_lengths({"w12": w12, "w3": w3}, count)
-    stacks = (_stacked_view(w12), _stacked_view(w3))
+    stacks = (stacked_view(w12), stacked_view(w3))
     inter = _check_fused(hidden_states, w12, w3, permuted_weights, count, stacks)
     if stacks[0] is not None and stacks[1] is not None:
         return _run(hidden_states, expert_routing_table, router_weights, stacks[:1], stacks[1], permuted_weights,

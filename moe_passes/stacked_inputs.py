@@ -22,8 +22,8 @@ parameters are, so CUDA graph replays read them in place (and re-record if one e
 from __future__ import annotations
 
 import dataclasses
-import operator
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,9 +31,9 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from . import lowering
-from .fused_op import _stacked_view
 from .fx_utils import arguments
-from .restack import LIST_ARGUMENTS, fused_list_calls, movable, restack, unstack
+from .restack import LIST_ARGUMENTS, fused_list_calls
+from .stacks import movable, restack, stacked_view, unstack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +53,18 @@ _pointers_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class _Slices:
-    """The tensors a stack was found from, as they were then, and a cheap check that they still are.
+    """The tensors a stack was found from, as they were then (never the tensors themselves), and a cheap
+    check that they still are.
 
     Reading the same bytes the same way needs the same address, dtype, sizes and strides (and device):
     compared in two C calls (dynamo's `TensorGuards`, then the addresses) where this torch has them,
-    else per tensor with `Tensor.is_set_to` (storage, offset, sizes, strides) and the dtype. A failed
-    check costs nothing but the full check, so a spurious mismatch (dispatch keys, `requires_grad`)
-    is harmless.
+    else per tensor. A failed check costs nothing but the full check, so a spurious mismatch (dispatch
+    keys, `requires_grad`) is harmless.
     """
 
-    __slots__ = ("guards", "pointers", "indices", "slices", "dtypes")
+    __slots__ = ("guards", "pointers", "indices", "layout")
 
-    def __init__(self, tensors: list[torch.Tensor], stack: torch.Tensor):
+    def __init__(self, tensors: list[torch.Tensor]):
         self.guards = None
         if _TensorGuards is not None:
             try:
@@ -74,15 +74,11 @@ class _Slices:
                 self.guards = None
         self.pointers = [t.data_ptr() for t in tensors]
         self.indices = list(range(len(tensors)))
-        # The stack's own slices, not the caller's tensors: `p.data = other` keeps the object `p`, which
-        # is always set to itself.
-        self.slices = list(stack.unbind(0)) if self.guards is None else None
-        self.dtypes = [t.dtype for t in tensors]
+        self.layout = None if self.guards is not None else list(map(_layout_of, tensors))
 
     def still(self, tensors: list[torch.Tensor]) -> bool:
         if self.guards is None:
-            return all(map(torch.Tensor.is_set_to, tensors, self.slices)) and list(
-                map(_DTYPE, tensors)) == self.dtypes
+            return list(map(_layout_of, tensors)) == self.layout
         if not self.guards.check(*tensors):
             return False
         if _pointers_equal is not None:
@@ -90,17 +86,37 @@ class _Slices:
         return list(map(torch.Tensor.data_ptr, tensors)) == self.pointers
 
 
+def _layout_of(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
 class _LastStack:
     """The stack found on the last call with the `_Slices` it was found from (one tuple, replaced whole,
-    so a concurrent caller never sees half of an update)."""
+    so a concurrent caller never sees half of an update). It is let go when the first tensor it was found
+    from dies, so that a deleted model's memory is freed with it."""
 
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "release", "__weakref__")
 
     def __init__(self):
         self.entry: tuple[torch.Tensor, _Slices] | None = None
+        self.release: weakref.finalize | None = None
+
+    def keep(self, stack: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        self.forget()
+        self.entry = (stack, _Slices(tensors))
+        self.release = weakref.finalize(tensors[0], _forget, weakref.ref(self))
+
+    def forget(self) -> None:
+        self.entry = None
+        if self.release is not None:
+            self.release.detach()
+            self.release = None
 
 
-_DTYPE = operator.attrgetter("dtype")
+def _forget(last: weakref.ref) -> None:
+    holder = last()
+    if holder is not None:
+        holder.forget()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,17 +134,17 @@ class StackedGroup:
         else a copy, laid out as the compiled graph expects. Guards can be filtered away, so every input is
         checked on each call: while each still has the address, dtype, sizes and strides it was last found
         with (`_Slices`, two C calls for the whole list), the last stack is reused; otherwise
-        `fused_op._stacked_view` checks every input's address, shape, stride and dtype."""
+        `stacks.stacked_view` checks every input's address, shape, stride and dtype."""
         tensors = [args[i] for i in self.positions]
         entry = self.last.entry
         if entry is not None:
             stack, slices = entry
             if slices.still(tensors):
                 return stack
-            self.last.entry = None  # let go of a stack the inputs have left
-        view = _stacked_view(tensors)
+            self.last.forget()  # let go of a stack the inputs have left
+        view = stacked_view(tensors)
         if view is not None and self._laid_out_as_compiled(view) and view.dtype == self.dtype:
-            self.last.entry = (view, _Slices(tensors, view))
+            self.last.keep(view, tensors)
             return view
         warnings.warn(
             "hpu_moe: per-expert weights are no longer slices of one stack laid out as compiled (a parameter "
@@ -193,7 +209,7 @@ def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]
             ) or len(set(nodes)) != len(nodes):
                 break
             tensors = [example_inputs[position[n]] for n in nodes]
-            if _stacked_view(tensors) is None and not movable(tensors):
+            if stacked_view(tensors) is None and not movable(tensors):
                 break
             lists[name] = tuple(position[n] for n in nodes)
         else:
@@ -219,7 +235,7 @@ def take_stacks(gm: GraphModule, example_inputs: Sequence, found: list[ListCall]
         for item in found:
             for positions in item.lists.values():
                 tensors = [example_inputs[i] for i in positions]
-                if _stacked_view(tensors) is None:
+                if stacked_view(tensors) is None:
                     restack(tensors)
                     moved.setdefault(item.call, []).extend(tensors)
         prepared = [_prepare(item, example_inputs, fake_mode) for item in found]
@@ -247,7 +263,7 @@ class _Prepared:
 def _prepare(item: ListCall, example_inputs: Sequence, fake_mode) -> _Prepared:
     stacks = {}
     for name, positions in item.lists.items():
-        stack = _stacked_view([example_inputs[i] for i in positions])
+        stack = stacked_view([example_inputs[i] for i in positions])
         stacks[name] = (stack, fake_mode.from_tensor(stack, static_shapes=True))
     stacked = lowering.stacked_overload("portable", item.call.target._overloadname)
     return _Prepared(item, getattr(item.call.target.overloadpacket, stacked), stacks)

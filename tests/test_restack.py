@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import moe_passes
-from moe_passes.fused_op import _stacked_view
-from moe_passes.restack import movable, restack
+from moe_passes.stacks import movable, restack
+from moe_passes.stacks import stacked_view as _stacked_view
 from patterns import dynamo_config, mixtral4_sparse_loop
 
 
@@ -85,7 +85,7 @@ def test_restack_keeps_values_and_parameters():
 
 
 def test_moved_weights_save_and_load_with_transformers(tmp_path):
-    """The moved tensors share one storage: save_pretrained (which clones disjoint slices) and torch.save keep them."""
+    """Moved tensors alias one allocation through storages of their own: save_pretrained and torch.save keep them."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2)
@@ -98,3 +98,64 @@ def test_moved_weights_save_and_load_with_transformers(tmp_path):
     torch.save(model.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt")
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def _compiled_modulelist_model(inner: str):
+    model, (x,) = mixtral4_sparse_loop.build(layers=2, num_experts=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=moe_passes.hpu_moe, options={"inner": inner, "target": "portable"})
+    with torch.no_grad(), dynamo_config(mixtral4_sparse_loop):
+        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x), model(x))  # the second call reuses the stacks it found
+    assert _stacked_view([e.w1.weight for e in _experts(model)]) is not None  # moved into stacks
+    return model, compiled, x
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_deleted_compiled_model_frees_every_expert_weight(inner):
+    import gc
+    import weakref
+
+    from moe_passes import stacks
+
+    model, compiled, _ = _compiled_modulelist_model(inner)
+    parameters = [weakref.ref(p) for p in model.parameters()]
+    made = list(stacks._MADE.values())
+    assert made and not any(ref.expired() for ref in made)
+    del model, compiled
+    gc.collect()
+    assert [r for r in parameters if r() is not None] == []  # no dynamo reset needed
+    assert all(ref.expired() for ref in made)  # the stacks' memory too
+
+
+def test_saving_one_moved_expert_writes_that_expert_alone():
+    import io
+
+    def saved_size(module) -> int:
+        buffer = io.BytesIO()
+        torch.save(module.state_dict(), buffer)
+        return len(buffer.getvalue())
+
+    model, _ = mixtral4_sparse_loop.build(layers=2, num_experts=4)
+    before = saved_size(_experts(model)[1])
+    model, compiled, x = _compiled_modulelist_model("eager")
+    expert = _experts(model)[1]
+    assert saved_size(expert) == before  # not the whole stack of 4 experts
+    buffer = io.BytesIO()
+    torch.save(expert.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert all(torch.equal(loaded[k], v) for k, v in expert.state_dict().items())
+
+
+def test_a_moved_model_saves_with_safetensors(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model, compiled, x = _compiled_modulelist_model("eager")
+    safetensors_torch.save_model(model, tmp_path / "model.safetensors")
+    fresh, _ = mixtral4_sparse_loop.build(layers=2, num_experts=4)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    safetensors_torch.load_model(fresh, tmp_path / "model.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), compiled(x))

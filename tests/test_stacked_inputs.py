@@ -10,8 +10,8 @@ from torch._dynamo.utils import counters
 
 import moe_passes
 from moe_passes import backend, stacked_inputs
-from moe_passes.fused_op import _stacked_view
 from moe_passes.stacked_inputs import InputPlan, StackedGroup
+from moe_passes.stacks import stacked_view as _stacked_view
 from moe_passes.steps import COUNTERS
 from patterns import dynamo_config, mixtral4_sparse_loop
 

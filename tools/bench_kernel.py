@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from moe_passes import fused_op, reference, routing_op  # noqa: E402
+from moe_passes import fused_op, reference, routing_op, stacks  # noqa: E402
 from moe_passes.kernels import MoEConfig, TileConfig, choose_config, triton_kernels  # noqa: E402
 from moe_passes.kernels.align import check_alignment  # noqa: E402
 
@@ -362,7 +362,7 @@ def profile(model: str, tokens: int) -> None:
         "python impl": lambda: fused_op.mixture_of_experts_fused_weights(x, ids, w, l12, l3, True, "silu", 0, emax),
         "kernels.fused_moe": lambda: kernels.fused_moe(x, ids, w, gate, up, w3, True, "silu", 0),
         "align": lambda: kernels.align(ids, 0, sizes["experts"], 16),
-        "_stacked_view x2": lambda: (fused_op._stacked_view(l12), fused_op._stacked_view(l3)),
+        "_stacked_view x2": lambda: (stacks.stacked_view(l12), stacks.stacked_view(l3)),
         "_check_fused": lambda: fused_op._check_fused(x, l12, l3, True, emax + 1),
         "unbind x2": lambda: (w12.unbind(0), w3.unbind(0)),
     }
