@@ -19,9 +19,11 @@ class Options:
     enabled: False leaves every graph as it is (the inner backend still compiles it).
     adapters: False traces framework MoE layers (vLLM-style FusedMoE) as they are written, instead of
              through the adapters that make them traceable (moe_passes/adapters).
-    strict:  decline (with the reason) every match whose rewrite rounds a value the model keeps wider
-             than the hidden dtype (float32 router weights, or a float32 combine, under bfloat16
-             experts): for users who need bit-for-bit routing rather than agreement within tolerance.
+    strict:  decline (with the reason) every match whose fused call could give another result than the
+             layer as written: a rewrite that rounds a value the model keeps wider than the hidden dtype
+             (float32 router weights, or a float32 combine, under bfloat16 experts), and a layer that runs
+             every expert on every token (a NaN or inf in an unrouted expert reaches its output, never
+             the fused call's): for users who need eager's results rather than agreement within tolerance.
     forms:   the expert forms to look for, by name (default: all of `moe_passes.FORMS`); naming a
              subset turns the others off, to bisect which finder made a rewrite.
     fuse_routing: the softmax → top-k → renormalise chain feeding a portable fused call becomes one
@@ -58,6 +60,8 @@ class Options:
             raise ValueError(f"hpu_moe option target must be one of {TARGETS}, got {parsed.target!r}")
         if parsed.inner is not None and not (isinstance(parsed.inner, str) or callable(parsed.inner)):
             raise TypeError("hpu_moe option inner must be a backend name or a callable")
+        if isinstance(parsed.inner, str):
+            _check_backend_name(parsed.inner)
         for flag in ("verify", "enabled", "adapters", "strict"):
             if not isinstance(getattr(parsed, flag), bool):
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
@@ -69,7 +73,25 @@ class Options:
 def _form_names(forms) -> tuple[str, ...]:
     if isinstance(forms, str) or not all(isinstance(f, str) for f in forms):
         raise TypeError("hpu_moe option forms must be a list of form names, e.g. ['grouped_mm']")
+    if not forms:
+        raise ValueError(
+            f"hpu_moe option forms must name at least one form of {list(FORMS)} (to leave every graph as "
+            "captured, pass enabled=False)"
+        )
     unknown = sorted(set(forms) - set(FORMS))
     if unknown:
-        raise ValueError(f"unknown hpu_moe form(s) {unknown}; known forms: {list(FORMS)}")
+        raise ValueError(f"hpu_moe option forms: unknown form(s) {unknown}; known forms: {list(FORMS)}")
     return tuple(forms)
+
+
+def _check_backend_name(name: str) -> None:
+    """`inner` names a registered torch.compile backend other than hpu_moe itself."""
+    from torch._dynamo.backends.registry import list_backends
+
+    if name == "hpu_moe":
+        raise ValueError("hpu_moe option inner names the backend that compiles the rewritten graph; it cannot be "
+                         "hpu_moe itself (use 'inductor', 'eager', 'aot_eager', ...)")
+    registered = list_backends(exclude_tags=())
+    if name not in registered:
+        raise ValueError(f"hpu_moe option inner: no backend named {name!r} is registered; registered backends: "
+                         f"{registered}")

@@ -108,7 +108,7 @@ def test_forms_can_be_switched_off_by_name():
 
 @pytest.mark.parametrize(
     "forms, error",
-    [(["no_such_form"], "unknown hpu_moe form(s) ['no_such_form']; known forms: ['grouped_mm'"),
+    [(["no_such_form"], "option forms: unknown form(s) ['no_such_form']; known forms: ['grouped_mm'"),
      ("batched_mm", "a list of form names")],
 )
 def test_bad_form_names_are_refused_with_the_known_ones(forms, error):

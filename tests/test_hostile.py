@@ -291,7 +291,12 @@ def test_a_fault_after_the_first_layer_is_rewritten_keeps_the_captured_graph(mon
         ({"strict": 1}, "strict must be a bool"),
         ({"enabled": "no"}, "enabled must be a bool"),
         ({"verfy": True}, "unknown hpu_moe option"),
-        ({"inner": "no_such_backend"}, "no_such_backend"),
+        ({"inner": "no_such_backend"}, r"option inner: no backend named 'no_such_backend' is registered; "
+         r"registered backends: \[.*'inductor'"),
+        ({"inner": "hpu_moe"}, "cannot be hpu_moe itself"),
+        ({"forms": []}, r"option forms must name at least one form of \['grouped_mm'.*enabled=False"),
+        ({"forms": ["nope"]}, r"option forms: unknown form\(s\) \['nope'\]; known forms"),
+        ({"fuse_routing": "auto"}, "fuse_routing must be None"),
     ],
 )
 def test_malformed_options_fail_the_compile_with_a_clear_message(options, message):
