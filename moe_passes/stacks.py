@@ -40,19 +40,24 @@ def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     shape, strides, dtype = first.shape, first.stride(), first.dtype
     if not all(t.shape == shape and t.stride() == strides and t.dtype == dtype for t in tensors):
         return None
+    sizes, strides = (len(tensors), *shape), (step // size, *strides)
     for storage in (first.untyped_storage(), _made_storage(pointers[0])):
         if storage is None:
             continue
         offset, remainder = divmod(pointers[0] - storage.data_ptr(), size)
-        if offset < 0 or remainder:
+        # `set_` would grow a storage too small for the view (moving its data): check the bounds first
+        if offset < 0 or remainder or not _within(storage, offset, sizes, strides, size):
             continue
-        try:
-            return torch.empty(0, dtype=dtype, device=first.device).set_(
-                storage, offset, (len(tensors), *shape), (step // size, *strides)
-            )
-        except RuntimeError:  # past the end of this storage: not one stack in it
-            continue
+        return torch.empty(0, dtype=dtype, device=first.device).set_(storage, offset, sizes, strides)
     return None
+
+
+def _within(storage: torch.UntypedStorage, offset: int, sizes, strides, element_size: int) -> bool:
+    """Every element of the strided view lies inside `storage`."""
+    if any(s < 0 for s in strides):
+        return False
+    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if n > 0)
+    return (last + 1) * element_size <= storage.nbytes()
 
 
 def _made_storage(address: int) -> torch.UntypedStorage | None:

@@ -567,3 +567,9 @@ def test_stacked_view_is_recovered_only_from_consecutive_slices():
     assert torch.equal(_stacked_view(list(stacked.transpose(-2, -1).unbind(0))), stacked.transpose(-2, -1))
     assert _stacked_view([stacked[0], stacked[2], stacked[1], stacked[3]]) is None
     assert _stacked_view([torch.randn(6, 8) for _ in range(4)]) is None
+    # Two separate tensors are always "evenly spaced": only the storage's bounds tell them from a stack,
+    # and finding that out must not grow (and so move) the first one's storage.
+    pair = sorted((torch.randn(6, 8), torch.randn(6, 8)), key=torch.Tensor.data_ptr)
+    address = pair[0].data_ptr()
+    assert _stacked_view(pair) is None
+    assert pair[0].untyped_storage().nbytes() == 6 * 8 * 4 and pair[0].data_ptr() == address
