@@ -54,6 +54,14 @@ import types
 import torch
 
 from .count_loops import CountLoop, count_loop, reads_counts_as_numbers
+from .host_reads import (
+    ListIndex,
+    ReplaceListIndices,
+    check_length_reads,
+    data_length_names,
+    link_parents,
+    list_indices,
+)
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .source_ast import (
     VIEW_METHODS,
@@ -472,9 +480,13 @@ class Plan:
     kept_guards: tuple[str, ...] = ()  # why guards of loops over the counts stay
     count_loops: tuple[CountLoop, ...] = ()  # loops over the counts whose guard goes
     calls: dict = dataclasses.field(default_factory=dict)  # module functions cutting at offsets: their copies
+    list_indices: tuple[ListIndex, ...] = ()  # `.tolist()` of selected rows read only as indices (host_reads)
 
     def changes_anything(self) -> bool:
-        return bool(self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls)
+        return bool(
+            self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
+            or self.list_indices
+        )
 
 
 def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
@@ -486,12 +498,17 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     `if rows.numel() > 0:` around the work and `if rows.shape[0] == 0: continue` before it.
     """
     fn_def, filename = function_source(fn)
+    link_parents(fn_def)
     assignments = bindings(fn_def)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    loops, guards, captures, kept, count_loops = [], [], False, [], []
+    loops, guards, captures, kept, count_loops, lists = [], [], False, [], [], []
+    selected_anywhere = {n for stmt in walk_function(fn_def) for n in _rows_names(stmt, None, "")}
     for node in walk_function(fn_def):
         if not isinstance(node, ast.For):
             continue
+        if _selects_tokens(node):
+            selected = {n for stmt in node.body for n in _rows_names(stmt, None, "")}
+            lists.extend(list_indices(node, selected))
         try:
             counted = count_loop(node, assignments, fn_def)
             if counted is not None:
@@ -506,9 +523,10 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
         operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
         if operand is None:
-            if selects and isinstance(node.target, ast.Name) and any(isinstance(s, ast.If) for s in node.body):
+            index = _index_name(node)
+            if selects and index is not None and any(isinstance(s, ast.If) for s in node.body):
                 try:
-                    guards.extend(_check_body(node, node.target.id, None, fn_def)[0])
+                    guards.extend(_check_body(node, index, None, fn_def)[0])
                 except NotAdaptable as exc:
                     log.info("expert loop guard kept: %s", exc)
             continue
@@ -523,7 +541,31 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     calls = adapted_calls(fn)
     scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments)
-    return fn_def, filename, Plan(loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls)
+    plan = Plan(loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists))
+    if plan.captures_shapes:
+        check_length_reads(fn_def, data_length_names(fn_def, selected_anywhere), _handled_reads(fn_def, plan))
+    return fn_def, filename, plan
+
+
+def _index_name(loop: ast.For) -> str | None:
+    """`e` of `for e in ...` and of `for e, x in enumerate(...)`."""
+    if isinstance(loop.target, ast.Name):
+        return loop.target.id
+    if call_name(loop.iter) == "enumerate" and isinstance(loop.target, ast.Tuple) and loop.target.elts:
+        first = loop.target.elts[0]
+        return first.id if isinstance(first, ast.Name) else None
+    return None
+
+
+def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:
+    """ids of the `.tolist()` calls the traced copy does without (list indices)."""
+    lines = {item.line for item in plan.list_indices}
+    handled = set()
+    for node in walk_function(fn_def):
+        if isinstance(node, ast.Assign) and node.lineno in lines:
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            handled.update(id(v) for v in values)
+    return handled
 
 
 def _selects_tokens(loop: ast.For) -> bool:
@@ -759,7 +801,7 @@ def _parse_expr(text: str, ctx=None) -> ast.expr:
 def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.FunctionType:
     """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
-    new_def = _Rewrite(plan).visit(fn_def)
+    new_def = _Rewrite(plan).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
     prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()"]
     if plan.captures_scalars:
         prologue.append(f"{_HELPERS}.capture_scalar_outputs()")

@@ -1,0 +1,149 @@
+"""Tensor values read on the host in an expert loop: the ones a traced copy can do without, and the rest.
+
+Capturing a loop that selects tokens with `torch.where` / `nonzero` needs dynamo to keep data-dependent
+sizes symbolic (`capture_dynamic_output_shape_ops`). Under that setting a list made of a tensor whose
+LENGTH depends on the data (`.tolist()` of selected rows, of a `bincount`) can no longer break the graph
+as it does by default: dynamo raises, since a Python list needs a concrete length. (A number read off a
+fixed-size tensor, `.item()` of a sum, is kept symbolic or breaks the graph as usual, and a branch on a
+data-dependent size breaks it too.) So the copy traced for `hpu_moe` is made only when every such list is
+one of these:
+
+- **a list used as an index** (transformers 4.3x Mixtral, Grok-1, Phi-3.5-MoE, XVERSE):
+      rows_list = rows.tolist()
+      x[None, rows_list] ... w[rows_list, slot_list, None]
+  `rows_list` is read only inside subscripts, as one index among others. Advanced indexing turns a list of
+  ints into an int64 tensor of those ints, so `rows` itself indexes the same elements (an empty list and
+  an empty int64 tensor both select nothing). The copy indexes with `rows` and makes no host read.
+
+Any other such list is named and the method is left as written: it then breaks the graph there exactly
+as it does without `hpu_moe`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+from .source_ast import NotAdaptable, call_name, stored_names, walk_function
+
+_VIEWS = {"view", "reshape", "flatten", "contiguous", "cpu", "long", "int", "to", "squeeze", "unsqueeze"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ListIndex:
+    """`name = rows.tolist()` (at `line`), where `name` is read only as an index: replaced by `rows`."""
+
+    line: int
+    name: str
+    rows: str
+
+
+def length_reads(fn_def: ast.FunctionDef, rows: set[str]) -> list[ast.Call]:
+    """Every `.tolist()` in `fn_def` of a tensor whose length depends on the data: `rows` (names bound by
+    `torch.where` / `nonzero`, or to a `bincount`) or a `bincount(...)` itself, through view-like methods."""
+    found = []
+    for node in walk_function(fn_def):
+        if call_name(node) != "tolist" or not isinstance(node.func, ast.Attribute) or node.args:
+            continue
+        receiver = node.func.value
+        while isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute) and (
+            receiver.func.attr in _VIEWS
+        ):
+            receiver = receiver.func.value
+        if (isinstance(receiver, ast.Name) and receiver.id in rows) or call_name(receiver) == "bincount":
+            found.append(node)
+    return found
+
+
+def data_length_names(fn_def: ast.FunctionDef, selected: set[str]) -> set[str]:
+    """`selected` (names bound by torch.where / nonzero) and names bound to a `bincount(...)`."""
+    names = set(selected)
+    for node in walk_function(fn_def):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if call_name(node.value) == "bincount":
+                names.add(node.targets[0].id)
+    return names
+
+
+def list_indices(loop: ast.For, rows: set[str]) -> list[ListIndex]:
+    """The `name = r.tolist()` bindings in `loop`'s body (r one of the selected `rows`; also as pairs,
+    `a, b = r.tolist(), s.tolist()`) whose name is bound once and read only as an index element of a
+    subscript in the body."""
+    statements = [s for s in ast.walk(loop) if isinstance(s, ast.Assign)]
+    bound = [n for s in statements for t in s.targets for n in stored_names(t)]
+    found = []
+    for stmt in statements:
+        for name, value in _pairs(stmt):
+            if not (
+                call_name(value) == "tolist" and isinstance(value.func, ast.Attribute) and not value.args
+                and isinstance(value.func.value, ast.Name) and value.func.value.id in rows
+            ):
+                continue
+            if bound.count(name) == 1 and all(_as_index(use) for use in _loads_of(loop, name)):
+                found.append(ListIndex(stmt.lineno, name, value.func.value.id))
+    return found
+
+
+def _pairs(stmt: ast.Assign) -> list[tuple[str, ast.expr]]:
+    """(name, value) for `name = value` and for `a, b = x, y`."""
+    if len(stmt.targets) != 1:
+        return []
+    target, value = stmt.targets[0], stmt.value
+    if isinstance(target, ast.Name):
+        return [(target.id, value)]
+    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+        return [(t.id, v) for t, v in zip(target.elts, value.elts, strict=True) if isinstance(t, ast.Name)]
+    return []
+
+
+def _loads_of(tree: ast.AST, name: str) -> list[ast.Name]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+
+
+def _as_index(use: ast.Name) -> bool:
+    """`use` is a subscript's index, or one element of a tuple of indices."""
+    parent = getattr(use, "_moe_parent", None)
+    if isinstance(parent, ast.Tuple):
+        parent = getattr(parent, "_moe_parent", None) if parent.elts and use in parent.elts else None
+        return isinstance(parent, ast.Subscript) and isinstance(parent.slice, ast.Tuple)
+    return isinstance(parent, ast.Subscript) and parent.slice is use
+
+
+def link_parents(tree: ast.AST) -> None:
+    """Give each node of `tree` a `_moe_parent` attribute (for `_as_index`)."""
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            child._moe_parent = node
+
+
+def check_length_reads(fn_def: ast.FunctionDef, rows: set[str], handled: set[int]) -> None:
+    """Raise NotAdaptable naming the first list of data-dependent length not in `handled` (call ids)."""
+    for call in length_reads(fn_def, rows):
+        if id(call) not in handled:
+            code = ast.unparse(call)[:60]
+            raise NotAdaptable(
+                f"line {call.lineno}: `{code}` makes a list of data-dependent length; with the loop's "
+                "data-dependent shapes captured dynamo could not trace it, so the method is left as written"
+            )
+
+
+class ReplaceListIndices(ast.NodeTransformer):
+    """Drops each `name = rows.tolist()` of `found` and indexes with `rows` where `name` was read."""
+
+    def __init__(self, found: list[ListIndex]):
+        self.rows = {item.name: item.rows for item in found}
+
+    def visit_Assign(self, node: ast.Assign):
+        pairs = _pairs(node)
+        if pairs and all(name in self.rows for name, _ in pairs):
+            return ast.copy_location(ast.Pass(), node)
+        return self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name):
+        if isinstance(node.ctx, ast.Load) and node.id in self.rows:
+            return ast.copy_location(ast.Name(self.rows[node.id], ast.Load()), node)
+        return node
+
+
+__all__ = ["ListIndex", "ReplaceListIndices", "check_length_reads", "data_length_names", "length_reads",
+           "link_parents", "list_indices", "NotAdaptable"]
