@@ -89,7 +89,18 @@ def _one_hot(ids: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     return (ids.unsqueeze(-1) == torch.arange(num_classes, device=ids.device)).to(torch.int64)
 
 
+def _no_mode_change(*_args):
+    """`torch.inference_mode(...)` entered or left inside the graph (torch 2.9's dynamo records the switch
+    as calls): the canonical trace computes the same values without it, and switching it inside functorch's
+    functionalization breaks functorch's layer stack (an internal assert once the backend returns)."""
+    return None
+
+
 _TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot}
+_TRACED_AS.update(
+    {getattr(torch.autograd.grad_mode, name): _no_mode_change for name in ("_enter_inference_mode", "_exit_inference_mode")
+     if hasattr(torch.autograd.grad_mode, name)}
+)
 
 
 class UntraceableConstruct(Exception):
