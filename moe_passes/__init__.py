@@ -9,7 +9,7 @@ from . import (
     fused_op,  # noqa: F401  (registers torch.ops.moe_passes.mixture_of_experts)
     routing_op,  # noqa: F401  (registers torch.ops.moe_passes.softmax_topk)
 )
-from .adapters import adapt, install_discovery_hook
+from .adapters import adapt, install_discovery_hook, prepare
 from .backend import hpu_moe
 from .explain import explain, explaining
 from .options import Options
@@ -27,10 +27,10 @@ __all__ = [
     "explaining",
     "hpu_moe",
     "install_discovery_hook",
+    "prepare",
 ]
 __version__ = "0.1.0"
 
-# Importing the package is what looking up backend="hpu_moe" does: adapt the framework MoE layers
-# already defined, and look again before dynamo compiles each frame.
-adapt()
-install_discovery_hook()
+# Importing the package changes nothing outside it: no class, no dynamo setting, no callback. Looking up
+# backend="hpu_moe" (moe_passes/registered.py, the entry point), `explain` and each hpu_moe compile
+# prepare what the backend needs (adapters.prepare).

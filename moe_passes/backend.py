@@ -18,7 +18,7 @@ from torch._dynamo.backends.registry import list_backends, lookup_backend
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from . import kernels, lowering
-from .adapters import install_discovery_hook
+from .adapters import prepare
 from .adapters.base import BACKEND_MARK
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
 from .fx_utils import source_line, val
@@ -193,7 +193,7 @@ def _compile_id() -> str | None:
 def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None):
     """torch.compile backend: fuse MoE layers into one `mixture_of_experts` call each, then compile."""
     opts = Options.parse(options)
-    install_discovery_hook()  # again after a dynamo reset(), for the next frames
+    prepare()  # again after a dynamo reset(), and for classes defined since: for the next frames
     target = lowering.resolve_target(opts.target)
     compiler = _inner_compiler(opts.inner)
     record = GraphRecord(index=next_graph_index(), compile_id=_compile_id())

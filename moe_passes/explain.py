@@ -32,7 +32,7 @@ import sysconfig
 import torch
 from torch._dynamo.utils import counters
 
-from .adapters import adapt, install_discovery_hook
+from .adapters import adapt, prepare
 from .backend import hpu_moe, inner_name
 from .lowering import resolve_target
 from .options import Options
@@ -91,7 +91,7 @@ def explaining(options: dict | Options | None = None):
     opts = Options.parse(options)
     torch._dynamo.reset()
     counters.clear()
-    install_discovery_hook()  # dynamo's reset() dropped it
+    prepare()  # dynamo's reset() dropped the discovery callback
     session = ExplainSession(opts)
     with collecting() as collector, _DynamoEvents.listening() as events:
         yield session

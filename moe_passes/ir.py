@@ -8,6 +8,9 @@ symbolic shapes on every node. Every inner backend accepts such a graph as if dy
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
@@ -64,7 +67,7 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     functionalize = _python_functionalize if in_python else _functorch_functionalize
     depth = _functorch_depth()
     try:
-        with fake_mode, fx_traceback.preserve_node_meta():
+        with fake_mode, fx_traceback.preserve_node_meta(), _data_dependent_shapes_allowed(fake_mode.shape_env):
             traced = make_fx(functionalize(run))(*layout.flatten(args))
     except BaseException:
         # A trace that fails inside a functorch transform can leave its interpreter levels pushed, and
@@ -76,6 +79,25 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+@contextlib.contextmanager
+def _data_dependent_shapes_allowed(shape_env):
+    """The frame's ShapeEnv accepting ops with data-dependent output shapes while the captured graph is
+    traced again. Dynamo put such an op (`nonzero` of an expert loop) in the graph only where they were
+    allowed at that point of its trace; the expert-loop adapter allows them around its loop alone, so the
+    setting may be off again by the time the backend runs."""
+    settings = getattr(shape_env, "settings", None)
+    if settings is None or not dataclasses.is_dataclass(settings) or getattr(
+        settings, "allow_dynamic_output_shape_ops", True
+    ):
+        yield
+        return
+    shape_env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
+    try:
+        yield
+    finally:
+        shape_env.settings = settings
 
 
 def _one_hot(ids: torch.Tensor, num_classes: int = -1) -> torch.Tensor:

@@ -10,14 +10,15 @@ An adapted class keeps its own forward everywhere except while dynamo traces it 
 backend with adapters enabled (`options={"adapters": False}` or `MOE_PASSES_ADAPTERS=0` turn them off):
 eager runs, other backends and other compiles see the original code.
 
-Adapters are installed automatically (when the backend is looked up, before dynamo compiles a frame,
-and by `explain`); `moe_passes.adapt()` installs them explicitly.
+Adapters are installed when hpu_moe is used, never at import: when the backend is looked up by name
+(`torch.compile(..., backend="hpu_moe")`), before dynamo compiles a frame for hpu_moe, when the backend
+compiles a graph, and by `explain`; `moe_passes.adapt()` installs them explicitly.
 """
 
 from __future__ import annotations
 
 from .base import ENV_VAR, adapted_classes, adapters_active, env_enabled, install
-from .discovery import adapt, install_discovery_hook
+from .discovery import adapt, install_discovery_hook, prepare
 
 __all__ = [
     "ENV_VAR",
@@ -27,4 +28,5 @@ __all__ = [
     "env_enabled",
     "install",
     "install_discovery_hook",
+    "prepare",
 ]

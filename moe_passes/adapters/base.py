@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,17 @@ def _hpu_moe_options_of(compiler) -> dict | None:
     return None
 
 
+def compiling_for_hpu_moe() -> bool:
+    """Whether the dynamo compile in progress (read from the frame that runs it) has hpu_moe as its
+    backend; False when none is, or when this torch's dynamo does not show it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and frame.f_globals.get("__name__") == "torch._dynamo.convert_frame":
+            return _hpu_moe_options_of(frame.f_locals.get("compiler_fn")) is not None
+        frame = frame.f_back
+    return False
+
+
 @torch.compiler.assume_constant_result
 def adapters_active() -> bool:
     """True while dynamo traces for the hpu_moe backend with adapters enabled (a trace-time constant).
@@ -82,7 +94,8 @@ def install(cls: type, traceable_forward: Callable, name: str, method: str = "fo
 
     @functools.wraps(original)
     def adapted(self, *args, **kwargs):
-        if adapters_active():
+        # Eager calls pay one check (is_compiling is False there); dynamo folds both tests while it traces.
+        if torch.compiler.is_compiling() and adapters_active():
             return traceable_forward(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 

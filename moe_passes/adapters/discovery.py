@@ -7,7 +7,7 @@ import logging
 import torch
 
 from . import hit_expert_loops, vllm_style
-from .base import env_enabled, install
+from .base import compiling_for_hpu_moe, env_enabled, install
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
     return adapted
 
 
-def _adapt_new_classes(*_args) -> None:
-    """Dynamo start-of-compile callback: adapt classes defined since the last look (cheap when none)."""
+def adapt_new_classes() -> None:
+    """Adapt the nn.Module classes defined since the last look (cheap when there are none)."""
     global _seen_subclass_count
     classes = _module_classes()
     if len(classes) != _seen_subclass_count:
@@ -62,13 +62,29 @@ def _adapt_new_classes(*_args) -> None:
         adapt()
 
 
+def _adapt_new_classes_for_hpu_moe(*_args) -> None:
+    """Dynamo start-of-compile callback: for a compile whose backend is hpu_moe, adapt the classes
+    defined since the last look; for any other backend, nothing."""
+    if compiling_for_hpu_moe():
+        adapt_new_classes()
+
+
 def install_discovery_hook() -> None:
-    """Run discovery before dynamo compiles any frame (dynamo's reset() clears it: call again after)."""
+    """Look for new classes before dynamo compiles a frame for hpu_moe (dynamo's reset() clears the
+    callback: the backend and `explain` install it again)."""
     handler = getattr(torch._dynamo, "callback_handler", None)
     register = getattr(handler, "register_start_callback", None)
     if register is None:
-        log.debug("this torch has no dynamo start callbacks; adapters install at import and in explain()")
+        log.debug("this torch has no dynamo start callbacks; adapters install when hpu_moe is looked up or runs")
         return
     callbacks = getattr(handler, "start_callbacks", [])
-    if _adapt_new_classes not in callbacks:
-        register(_adapt_new_classes)
+    if _adapt_new_classes_for_hpu_moe not in callbacks:
+        register(_adapt_new_classes_for_hpu_moe)
+
+
+def prepare() -> None:
+    """What the hpu_moe backend needs before dynamo traces for it: the loaded classes adapted, and new
+    ones looked for before each hpu_moe compile. Runs when the backend is looked up by name, when it
+    compiles a graph, and in `explain`; never at `import moe_passes`."""
+    install_discovery_hook()
+    adapt_new_classes()

@@ -481,6 +481,7 @@ class Plan:
     count_loops: tuple[CountLoop, ...] = ()  # loops over the counts whose guard goes
     calls: dict = dataclasses.field(default_factory=dict)  # module functions cutting at offsets: their copies
     list_indices: tuple[ListIndex, ...] = ()  # `.tolist()` of selected rows read only as indices (host_reads)
+    selecting: tuple[int, ...] = ()  # lines of the loops that select tokens (shapes captured around them)
 
     def changes_anything(self) -> bool:
         return bool(
@@ -501,7 +502,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     link_parents(fn_def)
     assignments = bindings(fn_def)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    loops, guards, captures, kept, count_loops, lists = [], [], False, [], [], []
+    loops, guards, captures, kept, count_loops, lists, selecting = [], [], False, [], [], [], []
     selected_anywhere = {n for stmt in walk_function(fn_def) for n in _rows_names(stmt, None, "")}
     for node in walk_function(fn_def):
         if not isinstance(node, ast.For):
@@ -519,6 +520,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             log.info("guard of the loop over the counts kept: %s", exc)
         selects = _selects_tokens(node)
         captures = captures or selects
+        if selects:
+            selecting.append(node.lineno)
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
         bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
         operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
@@ -541,8 +544,10 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     calls = adapted_calls(fn)
     scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments)
-    plan = Plan(loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists))
-    if plan.captures_shapes:
+    plan = Plan(
+        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting)
+    )
+    if plan.captures_shapes or plan.captures_scalars:
         check_length_reads(fn_def, data_length_names(fn_def, selected_anywhere), _handled_reads(fn_def, plan))
     return fn_def, filename, plan
 
@@ -672,6 +677,7 @@ class _Rewrite(ast.NodeTransformer):
         self.guards = set(plan.guards)
         self.count_loops = {loop.line: loop for loop in plan.count_loops}
         self.calls = set(plan.calls)
+        self.selecting = set(plan.selecting)
 
     def visit_Call(self, node: ast.Call):
         node = self.generic_visit(node)
@@ -694,10 +700,19 @@ class _Rewrite(ast.NodeTransformer):
             new = ast.Assign(
                 targets=[_parse_expr(f"({loop.hit}, {_ALL}_{loop.hit})", ctx=ast.Store())], value=call
             )
-            return ast.copy_location(new, node)
+            return [_statement("capture_dynamic_output_shapes", node), ast.copy_location(new, node)]
         return self.generic_visit(node)
 
     def visit_For(self, node: ast.For):
+        new = self._visit_for(node)
+        if node.lineno not in self.selecting:
+            return new
+        # Data-dependent shapes are captured while the loop is traced, and only then: code before and
+        # after it (and what it calls) breaks the graph where it would without hpu_moe.
+        return [_statement("capture_dynamic_output_shapes", node), *_as_list(new),
+                _statement("stop_capturing_dynamic_output_shapes", node)]
+
+    def _visit_for(self, node: ast.For):
         if node.lineno in self.count_loops:
             node = _NumericBounds(self.count_loops[node.lineno].bounds).visit(node)
         loop = self.by_line.get(node.lineno)
@@ -720,6 +735,15 @@ class _Rewrite(ast.NodeTransformer):
 
 def _as_list(visited) -> list:
     return visited if isinstance(visited, list) else [visited]
+
+
+def _statement(helper: str, at: ast.AST) -> ast.stmt:
+    """`<helpers>.<helper>()` as a statement, reported at `at`'s line."""
+    stmt = ast.parse(f"{_HELPERS}.{helper}()").body[0]
+    for part in ast.walk(stmt):
+        if isinstance(part, ast.expr | ast.stmt):
+            ast.copy_location(part, at)
+    return stmt
 
 
 class _NumericBounds(ast.NodeTransformer):
@@ -802,9 +826,10 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
     new_def = _Rewrite(plan).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
-    prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()"]
-    if plan.captures_scalars:
-        prologue.append(f"{_HELPERS}.capture_scalar_outputs()")
+    # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
+    # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
+    prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()", f"{_HELPERS}.capture_scalar_outputs()"] if (
+        plan.captures_scalars) else []
     for line in reversed(prologue):
         capture = ast.parse(line).body[0]
         new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
@@ -894,6 +919,7 @@ def _switch_on_for_this_compile(flag: str, setting: str) -> bool:
         return False
     if not getattr(settings, setting):
         shape_env.settings = dataclasses.replace(settings, **{setting: True})
+        _SWITCHED_SETTINGS.add(setting)
     config = torch._dynamo.config
     if not getattr(config, flag):
         setattr(config, flag, True)
@@ -903,7 +929,35 @@ def _switch_on_for_this_compile(flag: str, setting: str) -> bool:
     return True
 
 
+@torch.compiler.assume_constant_result
+def _stop_capturing_dynamic_output_shapes() -> bool:
+    """Undo `_capture_dynamic_output_shapes` once the loop that needed it is traced (where it switched
+    anything on): what follows traces as it would without hpu_moe."""
+    return _switch_back("capture_dynamic_output_shape_ops", "allow_dynamic_output_shape_ops")
+
+
+def _switch_back(flag: str, setting: str) -> bool:
+    """Dynamo's `flag` and the frame's ShapeEnv `setting` off again, where this compile switched them on."""
+    if setting not in _SWITCHED_SETTINGS:
+        return False
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        shape_env = tx.output.shape_env if tx is not None else None
+    except Exception:  # noqa: BLE001 - another torch's internals: left on until the compile ends
+        return False
+    if shape_env is not None and getattr(shape_env.settings, setting, False):
+        shape_env.settings = dataclasses.replace(shape_env.settings, **{setting: False})
+    _SWITCHED_SETTINGS.discard(setting)
+    if flag in _SWITCHED_FLAGS:
+        setattr(torch._dynamo.config, flag, False)
+        _SWITCHED_FLAGS.discard(flag)
+    return True
+
+
 _SWITCHED_FLAGS: set[str] = set()
+_SWITCHED_SETTINGS: set[str] = set()  # ShapeEnv settings switched on in the trace in progress
 
 
 def switched_settings_for_this_compile() -> tuple[str, ...]:
@@ -916,6 +970,7 @@ def _restore_switched_flags(*_args) -> None:
     callback that removed itself while dynamo iterates the list would make it skip the next one)."""
     while _SWITCHED_FLAGS:
         setattr(torch._dynamo.config, _SWITCHED_FLAGS.pop(), False)
+    _SWITCHED_SETTINGS.clear()  # they lived in the compiled frame's ShapeEnv, gone with it
 
 
 def _docstring_count(fn_def: ast.FunctionDef) -> int:
@@ -932,6 +987,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         cut=cut,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
+        stop_capturing_dynamic_output_shapes=_stop_capturing_dynamic_output_shapes,
         capture_scalar_outputs=_capture_scalar_outputs,
     )
 

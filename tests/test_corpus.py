@@ -1,0 +1,61 @@
+"""The wild corpus (patterns/corpus/), measured as tools/corpus.py measures it: never worse than eager.
+
+Every entry compiles and runs with backend="hpu_moe" wherever backend="eager" does, and a fused entry
+equals eager. The outcome of each entry is pinned below, so that a change in what is fused, declined or
+not captured shows here (and docs/corpus/ is regenerated with `python tools/corpus.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from patterns.corpus import entries
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("corpus_tool", ROOT / "tools" / "corpus.py")
+corpus_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(corpus_tool)
+
+# torch 2.13 (the development wheel); docs/corpus/after*.md hold the measured tables, torch 2.9 included.
+OUTCOMES = {
+    "arctic_moe": "not captured",
+    "colossalai_moe": "no candidate",
+    "davidmrau_moe": "not captured",
+    "deepseek_moe_16b": "not captured",
+    "deepseek_v3_inference": "not captured",
+    "deepseek_vl2_moe": "not captured",
+    "fairseq_moe": "no candidate",
+    "grok1_moe": "declined",
+    "hunyuan_large_moe": "declined",
+    "jetmoe_original": "declined",
+    "llama_moe": "declined",
+    "lucidrains_moe": "not captured",
+    "lucidrains_st_moe": "not captured",
+    "make_moe": "not captured",
+    "nano_moe": "no candidate",
+    "olmo_core_moe": "not captured",
+    "openmoe": "no candidate",
+    "phi35_moe": "fused",
+    "skywork_moe_plus_plus": "not captured",
+    "torchtune_llama4_moe": "not captured",
+    "torchtune_qwen3_moe": "not captured",
+    "tutel_moe": "not captured",
+    "xverse_moe": "fused",
+}
+
+
+def test_every_entry_has_a_pinned_outcome():
+    assert sorted(entries()) == sorted(OUTCOMES)
+
+
+@pytest.mark.parametrize("name", sorted(OUTCOMES))
+def test_entry_is_never_worse_than_eager(name):
+    row = corpus_tool.measure(name)
+    assert row["eager_compile"] == "ok", row
+    assert row["outcome"] not in ("RAISES", "WRONG"), row
+    assert row["outcome"] == OUTCOMES[name], row
+    if row["outcome"] != "fused":
+        assert row["detail"], row  # a decline or a break says what stopped it
