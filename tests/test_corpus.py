@@ -26,7 +26,7 @@ OUTCOMES = {
     "davidmrau_moe": "not captured",
     "deepseek_moe_16b": "not captured",
     "deepseek_v3_inference": "not captured",
-    "deepseek_vl2_moe": "not captured",
+    "deepseek_vl2_moe": "fused",
     "fairseq_moe": "no candidate",
     "grok1_moe": "declined",
     "hunyuan_large_moe": "declined",

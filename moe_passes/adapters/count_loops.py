@@ -78,10 +78,13 @@ def _reduces_dim_zero(call: ast.Call) -> bool:
 
 
 def tolist_of(expr: ast.AST) -> str | None:
-    """N for `N.tolist()`."""
-    if call_name(expr) == "tolist" and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name) and not expr.args:
-        return expr.func.value.id
-    return None
+    """N for a host copy of N's values: `N.tolist()`, `N.numpy()`, `N.cpu().numpy()`, `N.cpu().tolist()`."""
+    if call_name(expr) not in ("tolist", "numpy") or not isinstance(expr.func, ast.Attribute) or expr.args:
+        return None
+    receiver = expr.func.value
+    if call_name(receiver) == "cpu" and isinstance(receiver.func, ast.Attribute) and not receiver.args:
+        receiver = receiver.func.value
+    return receiver.id if isinstance(receiver, ast.Name) else None
 
 
 def reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict) -> bool:
@@ -162,11 +165,13 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
     counts = _counts_iterated(loop)
     if n is None or not isinstance(counts, ast.Name) or not is_count(counts, assignments):
         return None
-    if not loop.body or not _skips_zero_count(loop.body[0], n):
+    guard = _guard_index(loop.body, n)
+    if guard is None:
         return None
     if loop.orelse:
         raise NotAdaptable(f"line {loop.lineno}: the loop over the counts has an else")
-    body = loop.body[1:]
+    # Bindings before the guard run for an empty expert too; the proof below covers the whole body.
+    body = loop.body[:guard] + loop.body[guard + 1:]
     lists, bound = _appends_and_bindings(body, n)
     carried = _carried(body, bound)
     ends = {name for name, value in _simple_bindings(body) if _is_sum_with(value, n, carried)}
@@ -186,7 +191,18 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
                 "running offset and offset + count"
             )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
-    return CountLoop(loop.lineno, loop.body[0].lineno, frozenset(carried | ends))
+    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends))
+
+
+def _guard_index(body: list[ast.stmt], n: str) -> int | None:
+    """Where `if n == 0: continue` stands in `body`, after nothing but name bindings (DeepSeek's
+    `end_idx = start_idx + num_tokens` comes first); None when there is no such guard."""
+    for index, stmt in enumerate(body):
+        if _skips_zero_count(stmt, n):
+            return index
+        if not (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets)):
+            return None
+    return None
 
 
 def _appends_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[tuple[int, str, ast.expr]], set[str]]:
@@ -285,7 +301,7 @@ def _cuts_between(value: ast.AST, carried: set[str], ends: set) -> bool:
 
 def _check_reads_after(loop: ast.For, fn_def: ast.FunctionDef, local: set[str], lists: set[str]) -> None:
     """Outside the loop, names bound for one iteration are not read, and the lists only by `cat` or a
-    truthiness test."""
+    truthiness test (`if L`, `if len(L)`)."""
     inside = {id(node) for node in ast.walk(loop)}
     allowed: set[int] = set()
     for node in walk_function(fn_def):
@@ -295,6 +311,8 @@ def _check_reads_after(loop: ast.For, fn_def: ast.FunctionDef, local: set[str], 
             allowed.add(id(node.args[0]))
         if isinstance(node, ast.If | ast.IfExp | ast.While) and isinstance(node.test, ast.Name):
             allowed.add(id(node.test))
+        if isinstance(node, ast.If | ast.IfExp | ast.While) and call_name(node.test) == "len" and node.test.args:
+            allowed.add(id(node.test.args[0]))  # `if len(L)`: the list's truthiness
     for node in walk_function(fn_def):
         if id(node) in inside or not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
             continue

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import logging
 import os
 import types
@@ -1009,13 +1010,47 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     found = {}
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
-        code = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or not (_SIGNS & set(code.co_names) or _calls_cumsum(fn)):
+        inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
+        code = getattr(inner or fn, "__code__", None)
+        if not isinstance(fn, types.FunctionType) or not (_SIGNS & set(code.co_names) or _calls_cumsum(inner or fn)):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn)
         if traced is not None:
             found[name] = traced
     return found
+
+
+def _grad_mode_decorator_code() -> types.CodeType:
+    @torch.no_grad()
+    def probe():
+        pass
+
+    return probe.__code__
+
+
+_GRAD_MODE_DECORATOR = _grad_mode_decorator_code()
+
+
+def grad_mode_decorated(fn: types.FunctionType) -> tuple[types.FunctionType | None, object]:
+    """(the function, the context it runs in) for a function decorated with torch's grad-mode context
+    managers (`@torch.no_grad()`, `@torch.inference_mode()`, `@torch.enable_grad()`: DeepSeek's
+    `moe_infer`), else (None, None). The traced copy is made of the function and runs in the same context."""
+    if getattr(fn, "__code__", None) is not _GRAD_MODE_DECORATOR or not fn.__closure__:
+        return None, None
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+    inner, context = cells["func"].cell_contents, cells["ctx_factory"].cell_contents
+    return (inner, context) if isinstance(inner, types.FunctionType) else (None, None)
+
+
+def redecorated(traced: types.FunctionType, context) -> types.FunctionType:
+    """`traced` run inside `context()`, as the decorated original runs its function."""
+
+    @functools.wraps(traced)
+    def decorated(*args, **kwargs):
+        with context():
+            return traced(*args, **kwargs)
+
+    return decorated
 
 
 def _calls_cumsum(fn: types.FunctionType) -> bool:
@@ -1033,12 +1068,17 @@ def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType 
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
     def decide():
-        if getattr(fn, "__wrapped__", None) is not None:
+        inner, context = grad_mode_decorated(fn)
+        if inner is None and getattr(fn, "__wrapped__", None) is not None:
             raise NotAdaptable(f"{name} is wrapped by a decorator")
-        fn_def, filename, plan = analyse(fn)
+        target = inner or fn
+        fn_def, filename, plan = analyse(target)
         if plan.kept_guards:
             _KEPT_GUARDS[key] = [f"{where}: {reason}" for reason in plan.kept_guards]
-        return rewrite(fn, fn_def, filename, plan) if plan.changes_anything() else "nothing to adapt"
+        if not plan.changes_anything():
+            return "nothing to adapt"
+        traced = rewrite(target, fn_def, filename, plan)
+        return traced if context is None else redecorated(traced, context)
 
     decided(_DECISIONS, key, where, decide, "expert loop")
     decision = _DECISIONS[key]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import types
 
+import numpy
 import torch
 
 from .source_ast import NotAdaptable, bindings, call_name, decided, function_source, walk_function
@@ -35,9 +36,19 @@ _HELPERS = "__moe_passes_offset_helpers"
 _DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
 
 
+# A tuple, not `X | Y`: dynamo of torch 2.9 cannot trace isinstance with a types.UnionType.
+_HOLDS_A_NUMBER = (torch.Tensor, numpy.ndarray, numpy.generic)
+
+
+def _number(value):
+    """A bound as a Python number: the value of a 0-dim tensor or of a numpy scalar (counts read with
+    `.cpu().numpy()`), read with `.item()` (kept symbolic by the trace), else the value itself."""
+    return value.item() if isinstance(value, _HOLDS_A_NUMBER) else value
+
+
 def offset(value) -> int:
     """A slice bound held in a 0-dim tensor, read as a number once (kept symbolic by the trace)."""
-    number = value.item() if isinstance(value, torch.Tensor) else value
+    number = _number(value)
     torch._check(number >= 0)
     return number
 
@@ -50,14 +61,13 @@ def write(rows: torch.Tensor, value: torch.Tensor, start, end) -> torch.Tensor:
 
 
 def cut(rows: torch.Tensor, start, end) -> torch.Tensor:
-    """rows[start:end] for offsets that may be 0-dim tensors, read as numbers with `.item()` (kept
+    """rows[start:end] for offsets that may be 0-dim tensors or numpy scalars, read as numbers (kept
     symbolic by the trace; older dynamo refuses a slice with tensor bounds).
 
     The offsets are running sums of per-expert counts over the rows being cut, so 0 <= start <= end
     <= len(rows): the trace is told so (older torch cannot otherwise decide how slicing treats symbolic
     bounds), and the compiled code checks it."""
-    start = start.item() if isinstance(start, torch.Tensor) else start
-    end = end.item() if isinstance(end, torch.Tensor) else end
+    start, end = _number(start), _number(end)
     torch._check(start >= 0)
     torch._check(start <= rows.shape[0])
     torch._check(end >= start)
