@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -118,7 +119,24 @@ def _no_mode_change(*_args):
     return None
 
 
+def _in_place(method: str, fallback):
+    """`a op= b` on a tensor as its in-place ATen method (`|=` -> `bitwise_or_`): the `__ior__` family
+    are ATen ops functionalization does not take (their output aliases the input)."""
+
+    def run(a, b):
+        return getattr(a, method)(b) if isinstance(a, torch.Tensor) else fallback(a, b)
+
+    return run
+
+
 _TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot}
+_TRACED_AS.update({
+    operator.ior: _in_place("bitwise_or_", operator.ior),
+    operator.iand: _in_place("bitwise_and_", operator.iand),
+    operator.ixor: _in_place("bitwise_xor_", operator.ixor),
+    operator.ilshift: _in_place("bitwise_left_shift_", operator.ilshift),
+    operator.irshift: _in_place("bitwise_right_shift_", operator.irshift),
+})
 _TRACED_AS.update(
     {getattr(torch.autograd.grad_mode, name): _no_mode_change for name in ("_enter_inference_mode", "_exit_inference_mode")
      if hasattr(torch.autograd.grad_mode, name)}

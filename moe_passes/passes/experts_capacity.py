@@ -4,8 +4,9 @@
     out = einsum("sec,ecm->sm", combine, y)               combine[s, e, c]: token s in slot c of expert e
 
 Each expert takes at most C tokens; the gating drops the ones past that (their weight is zeroed), which
-the fused kernel never does. Both einsums are read with `axes.contraction` (whatever views and bmm they
-became); a region of this form is reported as declined, never rewritten.
+the fused kernel never does. Both einsums are read with `axes.contraction` (whatever views, bmm or mm over
+the merged E * C dim they became: fairseq writes them as `mm`); a region of this form is reported as
+declined, never rewritten.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def _top(node: Node) -> Node:
 
 
 def _combine(node: Node) -> tuple[Node, Node] | None:
-    """(combine [S, E, C], expert outputs [E, C, M]) when `node` is einsum("sec,ecm->sm")."""
+    """(combine [S, E, C], expert outputs [E, C, M]) when `node` is einsum("sec,ecm->sm"); the outputs may
+    carry leading dims of size 1 (fairseq's [all2all size, E, C, M], combined with `mm` over E * C)."""
     leaves = frontier(_top(node))
-    if leaves is None or len(leaves) != 2 or not all(len(shape(leaf) or ()) == 3 for leaf in leaves):
+    if leaves is None or len(leaves) != 2 or not all(len(shape(leaf) or ()) >= 3 for leaf in leaves):
         return None
     for table, outputs in (leaves, leaves[::-1]):
-        read = contraction(_top(node), {table: ("s", "e", "c"), outputs: ("e", "c", "m")})
+        extra = len(shape(outputs)) - 3
+        if len(shape(table)) != 3 or any(size != 1 for size in shape(outputs)[:extra]):
+            continue
+        read = contraction(_top(node), {table: ("s", "e", "c"), outputs: (None,) * extra + ("e", "c", "m")})
         kept = tuple(axis for axis in read.axes if axis) if read is not None else ()
         if kept == (("s",), ("m",)) and read.summed == frozenset({"e", "c"}):
             return table, outputs
@@ -55,14 +60,16 @@ def _combine(node: Node) -> tuple[Node, Node] | None:
 
 
 def _dispatched_by(outputs: Node, table: Node, depth: int = 40) -> bool:
-    """The expert outputs come from rows dispatched by a [S, E, C] tensor: einsum("sec,sm->ecm")."""
+    """The expert outputs come from rows dispatched by a [S, E, C] tensor (in any order of its dims):
+    einsum("sec,sm->ecm"). Only ever read to decline, so a loose test costs a decline, never a rewrite."""
     seen, frontier_nodes = set(), [outputs]
     for _ in range(depth):
         frontier_nodes = [s for n in frontier_nodes for s in n.all_input_nodes if s not in seen and not seen.add(s)]
         for node in frontier_nodes:
-            if node.target is aten.bmm.default:
+            if node.target in (aten.bmm.default, aten.mm.default):
                 leaves = frontier(_top(node)) or []
-                if any(shape(leaf) == shape(table) for leaf in leaves):
+                # [S, E, C] as the combine reads it, or permuted ([E, C, S]: nanoMoE's dispatch @ x)
+                if any(sorted(map(str, shape(leaf))) == sorted(map(str, shape(table))) for leaf in leaves):
                     return True
     return False
 
@@ -76,4 +83,4 @@ def match_at(anchor: Node) -> Decline | None:
     return Decline(FORM, NO_DROP_YET if never_drops else DROPS, _top(anchor))
 
 
-FINDER = Finder(FORM, (aten.bmm.default,), each_anchor(lambda node: _combine(node) is not None), match_at)
+FINDER = Finder(FORM, (aten.bmm.default, aten.mm.default), each_anchor(lambda node: _combine(node) is not None), match_at)
