@@ -13,19 +13,21 @@ from pathlib import Path
 import pytest
 
 from patterns.corpus import entries
+from tests.helpers import torch_release
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("corpus_tool", ROOT / "tools" / "corpus.py")
 corpus_tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(corpus_tool)
 
-# torch 2.13 (the development wheel); docs/corpus/after*.md hold the measured tables, torch 2.9 included.
+# Measured on torch 2.13 (the development wheel); docs/corpus/after*.md hold the tables, torch 2.9 included.
+PINNED_ON = (2, 13)
 OUTCOMES = {
     "arctic_moe": "not captured",
     "colossalai_moe": "declined",
     "davidmrau_moe": "not captured",
     "deepseek_moe_16b": "not captured",
-    "deepseek_v3_inference": "not captured",
+    "deepseek_v3_inference": "fused",
     "deepseek_vl2_moe": "fused",
     "fairseq_moe": "declined",
     "grok1_moe": "declined",
@@ -56,6 +58,7 @@ def test_entry_is_never_worse_than_eager(name):
     row = corpus_tool.measure(name)
     assert row["eager_compile"] == "ok", row
     assert row["outcome"] not in ("RAISES", "WRONG"), row
-    assert row["outcome"] == OUTCOMES[name], row
+    if torch_release() == PINNED_ON:  # other torch releases capture differently (docs/corpus/after_torch29.md)
+        assert row["outcome"] == OUTCOMES[name], row
     if row["outcome"] != "fused":
         assert row["detail"], row  # a decline or a break says what stopped it

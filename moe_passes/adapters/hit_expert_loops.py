@@ -330,6 +330,63 @@ def _skips_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
     return var in names and not (names - {var}) & bound and all(isinstance(n, allowed) for n in ast.walk(stmt.test))
 
 
+def _skips_on_count(stmt: ast.stmt, var: str) -> str | None:
+    """C for `if C[var] == 0: continue` / `if not C[var]: continue` (DeepSeek-V3's skip of an expert no
+    token chose, on counts read to the host before the loop)."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return None
+    test = stmt.test
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        read = test.operand
+    elif (
+        isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+        and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0
+    ):
+        read = test.left
+    else:
+        return None
+    if (
+        isinstance(read, ast.Subscript) and isinstance(read.value, ast.Name)
+        and isinstance(read.slice, ast.Name) and read.slice.id == var
+    ):
+        return read.value.id
+    return None
+
+
+def _selected_by_equality(loop: ast.For, line: int, var: str) -> str | None:
+    """S when the statement at `line` of the loop binds `torch.where(S == var)` (either side)."""
+    for stmt in ast.walk(loop):
+        if isinstance(stmt, ast.Assign) and stmt.lineno == line and call_name(stmt.value) == "where":
+            test = stmt.value.args[0] if len(stmt.value.args) == 1 else None
+            if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+                sides = [test.left, test.comparators[0]]
+                names = [s.id for s in sides if isinstance(s, ast.Name)]
+                if len(names) == 2 and var in names:
+                    return names[1 - names.index(var)]
+    return None
+
+
+_FLATTENING = {"flatten", "view", "reshape", "cpu", "numpy", "tolist"}
+
+
+def _bincount_of(counts: str, source: str, fn_def: ast.FunctionDef) -> bool:
+    """`counts` is bound once, to `bincount(source.flatten(), ...)` read to the host or not, and `source`
+    is bound at most once (or is a parameter), so the counts and the loop's selections read the same ids."""
+    assignments = bindings(fn_def)
+    bound = assignments.get(counts, [])
+    if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(assignments.get(source, [])) > 1:
+        return False
+    value = bound[0].value
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _FLATTENING:
+        value = value.func.value
+    if call_name(value) != "bincount" or not value.args:
+        return False
+    ids = value.args[0]
+    while isinstance(ids, ast.Call) and isinstance(ids.func, ast.Attribute) and ids.func.attr in _FLATTENING:
+        ids = ids.func.value
+    return isinstance(ids, ast.Name) and ids.id == source
+
+
 def _check_body(
     loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef
 ) -> tuple[list[int], list[int]]:
@@ -345,6 +402,7 @@ def _check_body(
     rows: dict[str, int] = {}  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
+    count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     skips: list[int] = []
     body = loop.body
     if mask is not None and body and _unwraps_element(body[0], var):
@@ -376,6 +434,8 @@ def _check_body(
                 guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
             elif mask is not None and _skips_on_index(stmt, var, bound):
                 skips.append(stmt.lineno)
+            elif (counts := _skips_on_count(stmt, var)) is not None:
+                count_guards.append((stmt.lineno, counts))
             else:
                 kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
@@ -388,6 +448,14 @@ def _check_body(
     if len(accumulations) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
+    for line, counts in count_guards:
+        source = _selected_by_equality(loop, accumulated_rows, var)
+        if source is None or source in bound or not _bincount_of(counts, source, fn_def):
+            raise NotAdaptable(
+                f"line {line}: the skip reads counts that are not the bincount of the ids the loop selects "
+                "its rows by"
+            )
+        guards.append((line, accumulated_rows))  # counts[var] == 0: no id equals var, no rows
     for line, source in guards:
         if source != accumulated_rows:
             raise NotAdaptable(
@@ -483,11 +551,12 @@ class Plan:
     calls: dict = dataclasses.field(default_factory=dict)  # module functions cutting at offsets: their copies
     list_indices: tuple[ListIndex, ...] = ()  # `.tolist()` of selected rows read only as indices (host_reads)
     selecting: tuple[int, ...] = ()  # lines of the loops that select tokens (shapes captured around them)
+    dropped: tuple[int, ...] = ()  # lines of bindings read only by removed guards (host-read counts)
 
     def changes_anything(self) -> bool:
         return bool(
             self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
-            or self.list_indices
+            or self.list_indices or self.dropped
         )
 
 
@@ -546,7 +615,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     calls = adapted_calls(fn)
     scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments)
     plan = Plan(
-        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting)
+        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting),
+        _read_only_by(fn_def, set(guards)),
     )
     if plan.captures_shapes or plan.captures_scalars:
         check_length_reads(fn_def, data_length_names(fn_def, selected_anywhere), _handled_reads(fn_def, plan))
@@ -564,14 +634,39 @@ def _index_name(loop: ast.For) -> str | None:
 
 
 def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:
-    """ids of the `.tolist()` calls the traced copy does without (list indices)."""
+    """ids of the `.tolist()` calls the traced copy does without (list indices, dropped bindings)."""
     lines = {item.line for item in plan.list_indices}
     handled = set()
     for node in walk_function(fn_def):
         if isinstance(node, ast.Assign) and node.lineno in lines:
             values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
             handled.update(id(v) for v in values)
+        if isinstance(node, ast.Assign) and node.lineno in plan.dropped:
+            handled.update(id(n) for n in ast.walk(node.value))
     return handled
+
+
+def _read_only_by(fn_def: ast.FunctionDef, guards: set[int]) -> tuple[int, ...]:
+    """Lines of `name = <bincount ... .tolist()>` bindings whose name is read only in the tests of the
+    removed guards: once the guards go, the host read that made the name goes too."""
+    if not guards:
+        return ()
+    in_guards = {id(n) for node in walk_function(fn_def) if isinstance(node, ast.If) and node.lineno in guards
+                 for n in ast.walk(node.test)}
+    dropped = []
+    for node in walk_function(fn_def):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        value = node.value
+        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _FLATTENING:
+            value = value.func.value
+        if call_name(value) != "bincount":
+            continue
+        reads = [n for n in walk_function(fn_def)
+                 if isinstance(n, ast.Name) and n.id == node.targets[0].id and isinstance(n.ctx, ast.Load)]
+        if reads and all(id(n) in in_guards for n in reads):
+            dropped.append(node.lineno)
+    return tuple(dropped)
 
 
 def _selects_tokens(loop: ast.For) -> bool:
@@ -679,6 +774,7 @@ class _Rewrite(ast.NodeTransformer):
         self.count_loops = {loop.line: loop for loop in plan.count_loops}
         self.calls = set(plan.calls)
         self.selecting = set(plan.selecting)
+        self.dropped = set(plan.dropped)
 
     def visit_Call(self, node: ast.Call):
         node = self.generic_visit(node)
@@ -694,6 +790,8 @@ class _Rewrite(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign):
+        if node.lineno in self.dropped:  # read only by guards the copy removes
+            return ast.copy_location(ast.Pass(), node)
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
             loop = self.by_hit[node.targets[0].id]
             call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {loop.dims!r})")
