@@ -73,6 +73,7 @@ from .source_ast import (
     defining_bindings,
     function_source,
     stored_names,
+    strip_methods,
     walk_function,
 )
 
@@ -179,10 +180,7 @@ def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ..
 
 def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
     """`M[var]` through view-like methods (`.squeeze(0)`, ...)."""
-    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in (
-        VIEW_METHODS | {"squeeze", "flatten"}
-    ):
-        expr = expr.func.value
+    expr = strip_methods(expr, VIEW_METHODS | {"squeeze", "flatten"})
     return (
         isinstance(expr, ast.Subscript)
         and isinstance(expr.value, ast.Name)
@@ -376,14 +374,10 @@ def _bincount_of(counts: str, source: str, fn_def: ast.FunctionDef) -> bool:
     bound = assignments.get(counts, [])
     if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(assignments.get(source, [])) > 1:
         return False
-    value = bound[0].value
-    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _FLATTENING:
-        value = value.func.value
+    value = strip_methods(bound[0].value, _FLATTENING)
     if call_name(value) != "bincount" or not value.args:
         return False
-    ids = value.args[0]
-    while isinstance(ids, ast.Call) and isinstance(ids.func, ast.Attribute) and ids.func.attr in _FLATTENING:
-        ids = ids.func.value
+    ids = strip_methods(value.args[0], _FLATTENING)
     return isinstance(ids, ast.Name) and ids.id == source
 
 
@@ -657,10 +651,7 @@ def _read_only_by(fn_def: ast.FunctionDef, guards: set[int]) -> tuple[int, ...]:
     for node in walk_function(fn_def):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
             continue
-        value = node.value
-        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _FLATTENING:
-            value = value.func.value
-        if call_name(value) != "bincount":
+        if call_name(strip_methods(node.value, _FLATTENING)) != "bincount":
             continue
         reads = [n for n in walk_function(fn_def)
                  if isinstance(n, ast.Name) and n.id == node.targets[0].id and isinstance(n.ctx, ast.Load)]
@@ -733,8 +724,7 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str]) -> bool:
     (`ids == e`, `torch.eq(ids, e)`), an indexing by it (`mask[e]`), a name holding one, or `&`/`|`
     with one, through view-like methods. Range tests (`lo <= t < hi`) pick clusters or spans, not one
     expert's tokens."""
-    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in _MASK_VIEWS:
-        expr = expr.func.value
+    expr = strip_methods(expr, _MASK_VIEWS)
     if isinstance(expr, ast.Name):
         return expr.id in masks
     if isinstance(expr, ast.Compare):

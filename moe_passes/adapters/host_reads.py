@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from .source_ast import NotAdaptable, call_name, stored_names, walk_function
+from .source_ast import NotAdaptable, call_name, stored_names, strip_methods, walk_function
 
 _VIEWS = {"view", "reshape", "flatten", "contiguous", "cpu", "long", "int", "to", "squeeze", "unsqueeze"}
 
@@ -45,11 +45,7 @@ def length_reads(fn_def: ast.FunctionDef, rows: set[str]) -> list[ast.Call]:
     for node in walk_function(fn_def):
         if call_name(node) != "tolist" or not isinstance(node.func, ast.Attribute) or node.args:
             continue
-        receiver = node.func.value
-        while isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute) and (
-            receiver.func.attr in _VIEWS
-        ):
-            receiver = receiver.func.value
+        receiver = strip_methods(node.func.value, _VIEWS)
         if (isinstance(receiver, ast.Name) and receiver.id in rows) or call_name(receiver) == "bincount":
             found.append(node)
     return found

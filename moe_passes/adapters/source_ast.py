@@ -89,10 +89,16 @@ def loads(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
-def viewed_name(expr: ast.AST, methods=VIEW_METHODS) -> str | None:
-    """N for `N`, `N.view(...)`, `N.permute(...).contiguous()`, ...: the name whose values `expr` holds."""
+def strip_methods(expr: ast.AST, methods) -> ast.AST:
+    """`expr` without the trailing calls of `methods` on it: N for `N.view(...).cpu().tolist()`."""
     while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in methods:
         expr = expr.func.value
+    return expr
+
+
+def viewed_name(expr: ast.AST, methods=VIEW_METHODS) -> str | None:
+    """N for `N`, `N.view(...)`, `N.permute(...).contiguous()`, ...: the name whose values `expr` holds."""
+    expr = strip_methods(expr, methods)
     return expr.id if isinstance(expr, ast.Name) else None
 
 
