@@ -56,7 +56,7 @@ SPELLINGS = {
     "perm": ("sort", "sort_stable", "argsort", "argsort_stable"),
     "gather": ("index", "index_select", "gather"),
     # bincount is left out: its output size is data-dependent, so dynamo breaks the graph on it
-    "counts": ("histc", "histc_to_E", "scatter_ones"),
+    "counts": ("histc", "histc_to_E", "scatter_ones", "scatter_add_ones", "index_add_ones"),
     "weights": ("rows", "combine_mul", "combine_bmm"),
     "combine": (
         "inverse_index_put",
@@ -70,6 +70,8 @@ SPELLINGS = {
     ),
 }
 BY_TOKEN = ("index_add_by_token", "scatter_add_by_token", "index_put_by_token")
+# Dense loops: the [T, E] table of routing weights, in the spellings of that one step.
+TABLE_SPELLINGS = ("scatter", "scatter_add", "one_hot_sum", "index_put")
 # Batched rows: x repeated k times, in the spellings of that one step.
 ROW_SPELLINGS = ("repeat_interleave", "index_arange", "index_select_arange")
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
@@ -100,8 +102,8 @@ class Case:
     # held None: all of them.
     first_expert: int = 0
     held: int | None = None
-    # (step, spelling) pairs from SPELLINGS (grouped_mm) or ("rows", ...) (batched_mm); () for the
-    # transformers code the form mirrors.
+    # (step, spelling) pairs from SPELLINGS (grouped_mm), ("rows", ...) (batched_mm) or ("table", ...)
+    # (dense_scatter); () for the transformers code the form mirrors.
     spelling: tuple[tuple[str, str], ...] = ()
 
     def spelled(self, step: str, default: str) -> str:
@@ -180,6 +182,8 @@ def _spelling(draw, experts: str, storage: str) -> tuple[tuple[str, str], ...]:
     """Each step's spelling drawn on its own (weights in the combine need a combine in slot order)."""
     if experts == "batched_mm":
         return (("rows", draw(st.sampled_from(ROW_SPELLINGS))),)
+    if experts == "dense_scatter":
+        return (("table", draw(st.sampled_from(TABLE_SPELLINGS))),)
     if experts != "grouped_mm" or (storage != "separate" and draw(st.booleans())):
         return ()  # half the stacked grouped cases keep transformers' own spelling
     chosen = {step: draw(st.sampled_from(options)) for step, options in SPELLINGS.items()}
@@ -281,8 +285,15 @@ def dense_mask(experts: Experts, x, ids, weights):
 
 
 def dense_scatter(experts: Experts, x, ids, weights):
-    padded = torch.zeros(x.shape[0], experts.num_experts, dtype=weights.dtype, device=x.device)
-    padded.scatter_(-1, ids, weights)
+    e = experts.num_experts
+    padded = {  # the [T, E] table of routing weights, in the case's spelling
+        "scatter": lambda: torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_(-1, ids, weights),
+        "scatter_add": lambda: torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_add(
+            1, ids, weights),
+        "one_hot_sum": lambda: (F.one_hot(ids, e).to(weights.dtype) * weights[..., None]).sum(1),
+        "index_put": lambda: torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).index_put_(
+            (torch.arange(x.shape[0], device=x.device)[:, None].expand_as(ids), ids), weights, accumulate=True),
+    }[experts.case.spelled("table", "scatter")]()
     out = torch.zeros_like(x)
     for e in experts.held:
         out += experts.mlp(e, x) * padded[:, e, None]
@@ -338,6 +349,9 @@ def spelled_grouped_mm(experts: Experts, x, ids, weights, case: Case):
         "histc_to_E": lambda: torch.histc(flat.float(), bins=e, min=0, max=e),
         "bincount": lambda: torch.bincount(flat, minlength=e),
         "scatter_ones": lambda: torch.zeros(ids.shape[0], e, dtype=torch.long).scatter_(1, ids, 1).sum(0),
+        "scatter_add_ones": lambda: torch.zeros(e, dtype=torch.int32).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32)),
+        "index_add_ones": lambda: torch.zeros(e).index_add_(0, flat, torch.ones(flat.shape[0])).long(),
     }[case.spelled("counts", "histc")]()
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     y = _grouped_experts(experts, rows, offsets)

@@ -17,10 +17,12 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import (
+    SHAPE_ONLY_OPS,
     backward_slice,
     const_int,
     dtype,
     is_call,
+    is_cast,
     is_getitem,
     shape,
     strip_casts,
@@ -43,6 +45,7 @@ from .mlp import (
 aten = torch.ops.aten
 FORM = "dense_loop"
 # A graph compiled for zero tokens gives the probes nothing to check the routing on (and has no work).
+NOT_ONE_IDS_AND_WEIGHTS = "the per-expert routing weights do not derive from one ids tensor and one weights tensor"
 EMPTY_BATCH = "the batch is empty at compile time, so which expert takes which weight cannot be checked"
 
 
@@ -390,12 +393,16 @@ def _stacked_source(weights: list[Node]) -> Node | None:
     return source if const_int(shape(source)[0]) == len(weights) else None
 
 
-def _frontier(terms: list[ExpertTerm]) -> tuple[set[Node], list[list[Node]]]:
+def _frontier(terms: list[ExpertTerm], through_tables: bool = False) -> tuple[set[Node], list[list[Node]]]:
     """The routing tensors every term derives from, and each term's slice of index/mask ops.
 
     Starts at the first common ancestors of the terms. A common ancestor that is itself an integer or
     boolean mask computed by probe-able ops (the one-hot expert mask a sparse loop indexes, say) is
-    looked through, so that the frontier reaches the ids and weights that routing produced.
+    looked through, so that the frontier reaches the ids and weights that routing produced. With
+    `through_tables`, so is a dense [T, E] weight table that probe-able ops build from integer ids
+    (`zeros(T, E).scatter_add(1, ids, w)`, `(one_hot(ids) * w[..., None]).sum(1)`), together with the
+    constant tensors its construction starts from: each column is then checked from the ids and
+    weights themselves, however the table was spelled.
     """
     ancestry = []
     for term in terms:
@@ -414,7 +421,7 @@ def _frontier(terms: list[ExpertTerm]) -> tuple[set[Node], list[list[Node]]]:
             slices.append(nodes)
             for node in nodes:
                 frontier.update(n for n in node.all_input_nodes if n in common)
-        masks = {n for n in frontier if _is_mask_op(n)}
+        masks = {n for n in frontier if _is_mask_op(n) or (through_tables and _is_table_op(n))}
         if not masks:
             return frontier, slices
         common -= masks
@@ -432,9 +439,39 @@ def _is_mask_op(node: Node) -> bool:
     )
 
 
+def _is_table_op(node: Node) -> bool:
+    """A tensor made by probe-able ops from integer ids (a routing table of any dtype), or a constant
+    tensor made from no tensor at all (the zeros a table is scattered into)."""
+    if node.op != "call_function" or node.target not in probe.PROBE_OPS or is_getitem(node):
+        return False
+    if node.target in SHAPE_ONLY_OPS or is_cast(node):  # a view or cast of the weights (`w[..., None]`)
+        return True
+    if not any(isinstance(n.meta.get("val"), torch.Tensor) for n in node.all_input_nodes):  # sizes only
+        return isinstance(node.meta.get("val"), torch.Tensor)
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        for source in current.all_input_nodes:
+            if source in seen:
+                continue
+            seen.add(source)
+            value = dtype(source)
+            if value is not None and not value.is_floating_point and value != torch.bool:
+                return True
+            if source.op == "call_function" and source.target in probe.PROBE_OPS:
+                stack.append(source)
+    return False
+
+
 def _expert_ids(terms: list[ExpertTerm]):
     """(ids, weights, order, first) with order[i] = index of the term of expert first + i; or a reason."""
-    frontier, slices = _frontier(terms)
+    assignment = _expert_ids_from(*_frontier(terms), terms)
+    if assignment == NOT_ONE_IDS_AND_WEIGHTS:  # a dense table built from the ids: check it from them
+        assignment = _expert_ids_from(*_frontier(terms, through_tables=True), terms)
+    return assignment
+
+
+def _expert_ids_from(frontier: set[Node], slices: list[list[Node]], terms: list[ExpertTerm]):
     tensors = {n for n in frontier if isinstance(n.meta.get("val"), torch.Tensor)}
     padded = [n for n in tensors if is_call(strip_casts(n), aten.scatter.src, aten.scatter.value)]
     try:
@@ -528,7 +565,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
     ints = [n for n in tensors if not dtype(n).is_floating_point and dtype(n) != torch.bool]
     floats = [n for n in tensors if dtype(n).is_floating_point]
     if len(ints) != 1 or len(floats) != 1 or len(tensors) != 2:
-        return "the per-expert routing weights do not derive from one ids tensor and one weights tensor"
+        return NOT_ONE_IDS_AND_WEIGHTS
     ids, weights = ints[0], floats[0]
     if shape(ids) != shape(weights) or len(shape(ids)) != 2:
         return "routing ids and weights are not [T, k] tensors of the same shape"

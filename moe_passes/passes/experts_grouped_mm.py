@@ -32,14 +32,21 @@ from .gemm_tail import GatedTail, StackedLinear, expert_weights, read_gated_tail
 from .matches import Decline, ExpertsMatch
 from .mlp import stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
-from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, Step, compose, sorted_ids, uncast
+from .slots import (
+    INPUT_SCALED,
+    Combine,
+    IndexMap,
+    Rows,
+    SlotAlgebra,
+    SlotCombines,
+    Step,
+    compose,
+    sorted_ids,
+    uncast,
+)
 
 aten = torch.ops.aten
 FORM = "grouped_mm"
-INPUT_SCALED = (
-    "routing weights scale each expert's input, not its output; the fused kernel weights outputs, and "
-    "with a non-linear MLP the two are not equal"
-)
 
 
 # aten's grouped matmul, and the opaque loop transformers uses instead when compiling non-bf16 weights;

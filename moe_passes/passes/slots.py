@@ -51,6 +51,12 @@ CELLS, GRID = "C", "G"  # true cells of the expert-major one-hot table of the id
 Space = str | Node  # "T", "S", "E", "C", "G", or the node whose permutation orders the positions
 
 
+# Routing weights applied to the rows before the experts (torchtitan's score_before_experts, Llama 4).
+INPUT_SCALED = (
+    "routing weights scale each expert's input, not its output; the fused kernel weights outputs, and "
+    "with a non-linear MLP the two are not equal"
+)
+
 @dataclass(frozen=True)
 class Step:
     """One primitive map: "perm" (P(p) -> S), "inv" (S -> P(p)), "token" (S -> T, or G -> T by `% T`),
@@ -398,7 +404,22 @@ class SlotAlgebra:
             return _identity_bins(args.get("bins"), args.get("min"), args.get("max"))
         if is_call(node, aten.sum.dim_IntList) and list(args.get("dim") or ()) in ([0], [-2]):
             return self._one_hot_width(uncast(args.get("input")))
+        if is_call(node, aten.scatter_add.default, aten.index_add.default):
+            return self._counted_by_adding_ones(node, args)
         return None
+
+    def _counted_by_adding_ones(self, node: Node, args: dict) -> int | None:
+        """E for zeros(E).scatter_add(0, ids, ones) / zeros(E).index_add(0, ids, ones): a 1 added at each
+        slot's expert, which is the histogram of the ids whatever their order."""
+        base, index = args.get("input", args.get("self")), args.get("index")
+        ones = args.get("src", args.get("source"))
+        width = shape(node)
+        if args.get("dim") not in (0, -1) or len(width or ()) != 1 or not _zeros(base) or not _ones(ones):
+            return None
+        if args.get("alpha", 1) != 1 or not _same_shape(shape(uncast(ones)), shape(uncast(index))):
+            return None
+        source = self.index(index)
+        return const_int(width[0]) if isinstance(source, IndexMap) and source.codomain == EXPERTS else None
 
     def _one_hot_width(self, table: Node) -> int | None:
         """E for a [T, E] table with one 1 per chosen expert: scatter of ones at the ids into zeros."""
@@ -580,6 +601,18 @@ def _zeros(node: object) -> bool:
         return True
     if is_call(node, aten.full.default, aten.full_like.default, aten.new_full.default):
         return (arguments(node) or {}).get("fill_value") == 0
+    return False
+
+
+def _ones(node: object) -> bool:
+    """A tensor of ones (ones, ones_like, new_ones, or a full of 1), through casts and expands."""
+    node = uncast(node) if isinstance(node, Node) else node
+    while is_call(node, aten.expand.default):
+        node = uncast(node.args[0])
+    if is_call(node, aten.ones.default, aten.ones_like.default, aten.new_ones.default):
+        return True
+    if is_call(node, aten.full.default, aten.full_like.default, aten.new_full.default):
+        return (arguments(node) or {}).get("fill_value") == 1
     return False
 
 
