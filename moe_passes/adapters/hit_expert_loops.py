@@ -62,6 +62,7 @@ from .host_reads import (
     data_length_names,
     link_parents,
     list_indices,
+    splits_by_host_sizes,
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .source_ast import (
@@ -607,7 +608,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     calls = adapted_calls(fn)
-    scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments)
+    scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments) or splits_by_host_sizes(fn_def, assignments)
     plan = Plan(
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting),
         _read_only_by(fn_def, set(guards)),

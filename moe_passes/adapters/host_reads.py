@@ -17,6 +17,14 @@ one of these:
 
 Any other such list is named and the method is left as written: it then breaks the graph there exactly
 as it does without `hpu_moe`.
+
+- **split sizes read on the host** (torchtune's and torchtitan's grouped experts without grouped GEMM,
+  Arctic, LLaMA-MoE):
+      pieces = torch.split(x, counts.tolist())      # or sizes = counts.tolist(); x.split(sizes, dim=0)
+  Each size becomes an unbacked SymInt when dynamo keeps host reads symbolic (`capture_scalar_outputs`),
+  and `split` checks at run time that they add up to the split dim, so the pieces and everything after
+  them are the same as eager's. The copy traced for `hpu_moe` switches that setting on for the compile;
+  a branch on a size later still breaks the graph there, as it would at the host read by default.
 """
 
 from __future__ import annotations
@@ -123,6 +131,33 @@ def check_length_reads(fn_def: ast.FunctionDef, rows: set[str], handled: set[int
             )
 
 
+def splits_by_host_sizes(fn_def: ast.FunctionDef, assignments: dict) -> bool:
+    """`fn_def` splits a tensor at sizes read on the host from a tensor (`torch.split(x, c.tolist())`,
+    `x.split(sizes)` with `sizes = c.tolist()`, `split_with_sizes`), the sizes passed positionally or as
+    `split_size_or_sections` / `split_sizes`."""
+    for node in walk_function(fn_def):
+        name = call_name(node)
+        if name not in ("split", "split_with_sizes"):
+            continue
+        is_function = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and (
+            node.func.value.id == "torch")
+        positional = node.args[1:2] if is_function else node.args[:1]
+        keywords = [k.value for k in node.keywords if k.arg in ("split_size_or_sections", "split_sizes", "split_size")]
+        if any(_host_list(size, assignments) for size in (*positional, *keywords)):
+            return True
+    return False
+
+
+def _host_list(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset()) -> bool:
+    """`t.tolist()` (through view-like methods on t), or a name whose every binding is one."""
+    if isinstance(expr, ast.Name):
+        bound = assignments.get(expr.id, [])
+        if expr.id in seen or not bound or not all(isinstance(b, ast.Assign) and len(b.targets) == 1 for b in bound):
+            return False
+        return all(_host_list(b.value, assignments, seen | {expr.id}) for b in bound)
+    return call_name(expr) == "tolist" and isinstance(expr.func, ast.Attribute) and not expr.args
+
+
 class ReplaceListIndices(ast.NodeTransformer):
     """Drops each `name = rows.tolist()` of `found` and indexes with `rows` where `name` was read."""
 
@@ -142,4 +177,4 @@ class ReplaceListIndices(ast.NodeTransformer):
 
 
 __all__ = ["ListIndex", "ReplaceListIndices", "check_length_reads", "data_length_names", "length_reads",
-           "link_parents", "list_indices", "NotAdaptable"]
+           "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable"]

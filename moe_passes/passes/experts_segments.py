@@ -43,7 +43,7 @@ from .experts_dense_loop import ExpertTerm, is_zero_init, read_term, role_weight
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
 from .mlp import activation_of, gated_product, halves, projection
-from .slots import Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, gather_parts, sorted_ids
+from .slots import INPUT_SCALED, Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, gather_parts, sorted_ids
 
 aten = torch.ops.aten
 FORM = "segments"
@@ -224,6 +224,15 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
 
 
+def _scales_gathered_rows(rows: Node) -> bool:
+    """`rows` is a gather of the hidden states times another tensor (the routing weights applied to
+    each expert's input: torchtune's Llama 4 MoE, torchtitan's score_before_experts)."""
+    if not is_call(strip_casts(rows), aten.mul.Tensor):
+        return False
+    return any(isinstance(a, Node) and gather_parts(strip_shape_ops(strip_casts(a))) is not None
+               for a in strip_casts(rows).args)
+
+
 def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
     join, path = found
 
@@ -244,6 +253,8 @@ def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
             segments.append((e, join.placed[e]))
     sorted_rows = strip_shape_ops(inputs[0])
     if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or gather_parts(sorted_rows) is None:
+        if _scales_gathered_rows(sorted_rows):
+            return no(INPUT_SCALED, sorted_rows)
         return no("the experts do not read segments of one gather of the hidden states", inputs[0])
     read = _sorted_rows(sorted_rows, path)
     if isinstance(read[0], str):
