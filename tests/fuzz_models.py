@@ -44,6 +44,7 @@ ACTIVATION_DRAW = (*sorted(SUPPORTED_ACTIVATIONS) * 2, *sorted(UNSUPPORTED_ACTIV
 STORAGES = {
     "dense_mask": ("modulelist", "stacked", "transposed", "separate"),
     "dense_scatter": ("modulelist", "stacked", "transposed", "separate"),
+    "dense_einsum": ("stacked", "transposed", "separate"),
     "sparse_loop": ("modulelist", "stacked", "transposed", "separate"),
     "grouped_mm": ("stacked", "transposed", "separate"),
     "batched_mm": ("stacked", "transposed"),
@@ -102,8 +103,9 @@ class Case:
     # held None: all of them.
     first_expert: int = 0
     held: int | None = None
-    # (step, spelling) pairs from SPELLINGS (grouped_mm), ("rows", ...) (batched_mm) or ("table", ...)
-    # (dense_scatter); () for the transformers code the form mirrors.
+    # (step, spelling) pairs from SPELLINGS (grouped_mm), ("rows", ...) (batched_mm), ("table", ...)
+    # (dense_scatter, dense_einsum) and ("combine", ...) (dense_einsum); () for the transformers code the
+    # form mirrors.
     spelling: tuple[tuple[str, str], ...] = ()
 
     def spelled(self, step: str, default: str) -> str:
@@ -184,6 +186,8 @@ def _spelling(draw, experts: str, storage: str) -> tuple[tuple[str, str], ...]:
         return (("rows", draw(st.sampled_from(ROW_SPELLINGS))),)
     if experts == "dense_scatter":
         return (("table", draw(st.sampled_from(TABLE_SPELLINGS))),)
+    if experts == "dense_einsum":
+        return (("combine", draw(st.sampled_from(("einsum", "bmm_sum")))), ("table", draw(st.sampled_from(TABLE_SPELLINGS))))
     if experts != "grouped_mm" or (storage != "separate" and draw(st.booleans())):
         return ()  # half the stacked grouped cases keep transformers' own spelling
     chosen = {step: draw(st.sampled_from(options)) for step, options in SPELLINGS.items()}
@@ -284,9 +288,10 @@ def dense_mask(experts: Experts, x, ids, weights):
     return out
 
 
-def dense_scatter(experts: Experts, x, ids, weights):
+def routing_table(experts: Experts, x, ids, weights):
+    """The [T, E] table of routing weights, in the case's spelling."""
     e = experts.num_experts
-    padded = {  # the [T, E] table of routing weights, in the case's spelling
+    return {
         "scatter": lambda: torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_(-1, ids, weights),
         "scatter_add": lambda: torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_add(
             1, ids, weights),
@@ -294,10 +299,42 @@ def dense_scatter(experts: Experts, x, ids, weights):
         "index_put": lambda: torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).index_put_(
             (torch.arange(x.shape[0], device=x.device)[:, None].expand_as(ids), ids), weights, accumulate=True),
     }[experts.case.spelled("table", "scatter")]()
+
+
+def dense_scatter(experts: Experts, x, ids, weights):
+    padded = routing_table(experts, x, ids, weights)
     out = torch.zeros_like(x)
     for e in experts.held:
         out += experts.mlp(e, x) * padded[:, e, None]
     return out
+
+
+def dense_einsum(experts: Experts, x, ids, weights):
+    """Every expert on every token as einsums over the stacks, combined by the [T, E] table (vLLM-Omni's
+    dense experts); or, spelled "bmm_sum", bmm of the tokens expanded per expert and a product summed over
+    the experts (tt-forge's batched DeepSeek-V3)."""
+    table = routing_table(experts, x, ids, weights)
+    if experts.case.spelled("combine", "einsum") == "bmm_sum":
+        rows = x.unsqueeze(0).expand(experts.num_experts, -1, -1)
+        if experts.storage == "separate":
+            h = experts.act_fn(torch.bmm(rows, experts.gate.transpose(1, 2))) * torch.bmm(rows, experts.up.transpose(1, 2))
+            y = torch.bmm(h, experts.down_proj.transpose(1, 2))
+        elif experts.is_transposed:
+            y = torch.bmm(experts.apply_gate(torch.bmm(rows, experts.gate_up_proj)), experts.down_proj)
+        else:
+            h = experts.apply_gate(torch.bmm(rows, experts.gate_up_proj.transpose(1, 2)))
+            y = torch.bmm(h, experts.down_proj.transpose(1, 2))
+        return (table.unsqueeze(-1).to(y.dtype) * y.permute(1, 0, 2)).sum(dim=1)
+    if experts.storage == "separate":
+        h = experts.act_fn(torch.einsum("td,eid->eti", x, experts.gate)) * torch.einsum("td,eid->eti", x, experts.up)
+        y = torch.einsum("eti,edi->etd", h, experts.down_proj)
+    elif experts.is_transposed:
+        h = experts.apply_gate(torch.einsum("td,edi->eti", x, experts.gate_up_proj))
+        y = torch.einsum("eti,eid->etd", h, experts.down_proj)
+    else:
+        h = experts.apply_gate(torch.einsum("td,eid->eti", x, experts.gate_up_proj))
+        y = torch.einsum("eti,edi->etd", h, experts.down_proj)
+    return torch.einsum("etd,te->td", y, table.to(y.dtype))
 
 
 def sparse_loop(experts: Experts, x, ids, weights):
@@ -422,7 +459,7 @@ def hit_loop(experts: Experts, x, ids, weights):
     return eager_experts_forward(experts, x, ids, weights)
 
 
-EXPERT_FORWARDS = {f.__name__: f for f in (dense_mask, dense_scatter, sparse_loop, grouped_mm, batched_mm)}
+EXPERT_FORWARDS = {f.__name__: f for f in (dense_mask, dense_scatter, dense_einsum, sparse_loop, grouped_mm, batched_mm)}
 EXPERT_FORWARDS["hit_loop"] = hit_loop
 
 

@@ -121,8 +121,32 @@ def unique_loop(layer, x, ids, w):  # a loop over the ids present, read on the h
     return y
 
 
+def _sorted_by_host_sizes(layer, x, ids, w, variant: str):
+    flat = ids.view(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.histc(flat.float(), bins=E, min=0, max=E - 1).long()
+    y = layer.experts_at_host_sizes(x[order // K], counts, variant) * w.view(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, order // K, y)
+
+
+def host_split(layer, x, ids, w):  # torchtune: a method splits at counts.tolist() (their capture is switched on)
+    return _sorted_by_host_sizes(layer, x, ids, w, "plain")
+
+
+def host_split_skip(layer, x, ids, w):  # ... then branches on a piece's size inside the loop
+    return _sorted_by_host_sizes(layer, x, ids, w, "skip")
+
+
+def host_split_range(layer, x, ids, w):  # ... or loops over a size read on the host
+    return _sorted_by_host_sizes(layer, x, ids, w, "range")
+
+
+def host_split_int(layer, x, ids, w):  # ... or converts a size to a Python int and compares it
+    return _sorted_by_host_sizes(layer, x, ids, w, "int")
+
+
 CONSTRUCTS = [tolist_skip, numpy_counts, item_skip, split_sizes, bool_mask, list_gather, zip_masks, no_grad_method,
-              unique_loop]
+              unique_loop, host_split, host_split_skip, host_split_range, host_split_int]
 
 
 class Layer(nn.Module):
@@ -138,6 +162,23 @@ class Layer(nn.Module):
         x = x.view(-1, H)
         w, ids = torch.topk(torch.softmax(self.router(x), -1), K, dim=-1)
         return self.construct(self, x, ids, w)
+
+    def experts_at_host_sizes(self, rows, counts, variant):
+        """The experts on rows sorted by expert, split at the counts read on the host (a method: the
+        expert-loop adapter reads methods, and switches scalar capture on for this split)."""
+        sizes = counts.tolist()
+        if variant == "range":
+            for _ in range(sizes[0]):
+                rows = rows * 1.0
+        outs = []
+        for i, part in enumerate(torch.split(rows, sizes)):
+            if variant == "skip" and part.shape[0] == 0:
+                outs.append(part)
+                continue
+            if variant == "int" and int(sizes[i]) > 2 * T * K:
+                part = part * 2
+            outs.append(self.experts[i](part))
+        return torch.cat(outs)
 
 
 class MixedLayer(Layer):

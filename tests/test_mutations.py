@@ -31,7 +31,7 @@ FORMS = catalog()
 # (written per catalog family) do not reproduce; their near misses are the fuzz's spelling dimension
 # (tests/fuzz_models.py) and their own near-miss forms (near_miss_torchtitan_score_before_experts).
 OTHER_CODE_BASES = ("mistral_where_loop", "torchtitan_grouped_experts", "gpt_fast_gathered_einsum", "sglang_native_einsum",
-                    "megatron_sequential_mlp")
+                    "megatron_sequential_mlp", "vllm_omni_dense_einsum")
 FUSED = [
     name
     for name, form in FORMS.items()

@@ -96,6 +96,7 @@ def test_catalog_lists_the_forms_in_a_stable_order():
         "torchtitan_grouped_experts",
         "gpt_fast_gathered_einsum",
         "sglang_native_einsum",
+        "vllm_omni_dense_einsum",
         "megatron_sequential_mlp",
         "near_miss_input_scaled",
         "near_miss_mixed_activation",

@@ -56,8 +56,11 @@ import torch
 
 from .count_loops import CountLoop, count_loop, reads_counts_as_numbers
 from .host_reads import (
+    CutToCapacity,
     ListIndex,
     ReplaceListIndices,
+    capacity_cut,
+    capacity_cuts,
     check_length_reads,
     data_length_names,
     link_parents,
@@ -191,6 +194,9 @@ def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
     )
 
 
+_FLAT_VIEWS = {"squeeze", "view", "reshape", "flatten"}
+
+
 def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> list[str]:
     """Names bound to the indices of M[var]'s non-zero entries by this statement (else empty).
 
@@ -204,6 +210,9 @@ def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> list[str]:
         operand = value.args[0]
     elif name == "nonzero" and as_tuple:
         operand = value.func.value if not value.args else value.args[0]
+    elif mask is None and call_name(strip_methods(value, _FLAT_VIEWS)) == "nonzero" and value is not strip_methods(
+            value, _FLAT_VIEWS):
+        operand = None  # `nonzero(m).squeeze(-1)` (makeMoE): positions, flattened to one index per row
     else:
         return []
     if mask is not None and not _selects_row(operand, mask, var):
@@ -411,6 +420,8 @@ def _check_body(
                 if var in names:
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
                 rows.update(dict.fromkeys(_rows_names(stmt, mask, var), stmt.lineno))
+                if (cut := _cut_rows(stmt, rows)) is not None:
+                    rows[cut] = stmt.lineno  # the first rows of rows empty for an expert not hit: empty too
                 bound.update(names)
             elif isinstance(stmt, ast.With):
                 if any(item.optional_vars is not None for item in stmt.items):
@@ -459,6 +470,20 @@ def _check_body(
             )
     _check_locals(loop, bound, fn_def)
     return [line for line, _ in guards], skips
+
+
+def _cut_rows(stmt: ast.stmt, rows: dict[str, int]) -> str | None:
+    """N for `N = R[:c]` or `N = R[:c] if R.numel() > c else R` (a capacity cut), R selected rows."""
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
+        return None
+    value = stmt.value
+    cut = capacity_cut(value)
+    if cut is not None:
+        return stmt.targets[0].id if cut[0] in rows else None
+    if (isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in rows
+            and isinstance(value.slice, ast.Slice) and value.slice.step is None):
+        return stmt.targets[0].id
+    return None
 
 
 def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
@@ -547,11 +572,12 @@ class Plan:
     list_indices: tuple[ListIndex, ...] = ()  # `.tolist()` of selected rows read only as indices (host_reads)
     selecting: tuple[int, ...] = ()  # lines of the loops that select tokens (shapes captured around them)
     dropped: tuple[int, ...] = ()  # lines of bindings read only by removed guards (host-read counts)
+    cuts: tuple[int, ...] = ()  # lines of `A[:c] if A.numel() > c else A` in token-selecting loops (host_reads)
 
     def changes_anything(self) -> bool:
         return bool(
             self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
-            or self.list_indices or self.dropped
+            or self.list_indices or self.dropped or self.cuts
         )
 
 
@@ -609,9 +635,11 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     calls = adapted_calls(fn)
     scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments) or splits_by_host_sizes(fn_def, assignments)
+    cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node)
+                 for line in capacity_cuts(node))
     plan = Plan(
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting),
-        _read_only_by(fn_def, set(guards)),
+        _read_only_by(fn_def, set(guards)), cuts,
     )
     if plan.captures_shapes or plan.captures_scalars:
         check_length_reads(fn_def, data_length_names(fn_def, selected_anywhere), _handled_reads(fn_def, plan))
@@ -738,6 +766,9 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str]) -> bool:
         return _mentions(expr.slice, varying)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
         return _is_expert_mask(expr.left, varying, masks) or _is_expert_mask(expr.right, varying, masks)
+    if call_name(expr) == "any" and isinstance(expr.func, ast.Attribute) and (expr.args or expr.keywords):
+        # `(ids == e).any(dim=-1)`: the tokens that chose the expert in any slot (makeMoE)
+        return _is_expert_mask(expr.func.value, varying, masks)
     return False
 
 
@@ -916,6 +947,8 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
     new_def = _Rewrite(plan).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
+    if plan.cuts:
+        new_def = CutToCapacity().visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
     prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()", f"{_HELPERS}.capture_scalar_outputs()"] if (

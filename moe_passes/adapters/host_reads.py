@@ -18,6 +18,13 @@ one of these:
 Any other such list is named and the method is left as written: it then breaks the graph there exactly
 as it does without `hpu_moe`.
 
+- **a cut to a capacity, guarded by a size read on the host** (makeMoE):
+      kept = rows[:capacity] if rows.numel() > capacity else rows
+  (also `len(rows)`, `rows.shape[0]`, `rows.size(0)` in the test). `rows[:capacity]` is `rows` itself
+  whenever rows has no more than `capacity` rows, so the branch picks the same value either way; the
+  copy cuts unconditionally (for `numel()`, where rows is 1-D: a trace-time test), with no host read.
+  Whether a cut drops tokens is then the finders' question, and a cut rows tensor is declined by them.
+
 - **split sizes read on the host** (torchtune's and torchtitan's grouped experts without grouped GEMM,
   Arctic, LLaMA-MoE):
       pieces = torch.split(x, counts.tolist())      # or sizes = counts.tolist(); x.split(sizes, dim=0)
@@ -158,6 +165,70 @@ def _host_list(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozense
     return call_name(expr) == "tolist" and isinstance(expr.func, ast.Attribute) and not expr.args
 
 
+def _size_read(expr: ast.AST) -> tuple[str, bool] | None:
+    """(A, counts elements) for `A.numel()` (True), `len(A)`, `A.shape[0]`, `A.size(0)` (False)."""
+    if isinstance(expr, ast.Call) and not expr.keywords:
+        name = call_name(expr)
+        if name == "numel" and isinstance(expr.func, ast.Attribute) and not expr.args:
+            base = expr.func.value
+            return (base.id, True) if isinstance(base, ast.Name) else None
+        if name == "len" and isinstance(expr.func, ast.Name) and len(expr.args) == 1 and isinstance(expr.args[0], ast.Name):
+            return expr.args[0].id, False
+        if name == "size" and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name):
+            if len(expr.args) == 1 and isinstance(expr.args[0], ast.Constant) and expr.args[0].value == 0:
+                return expr.func.value.id, False
+    if (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == 0
+            and isinstance(expr.value, ast.Attribute) and expr.value.attr == "shape"
+            and isinstance(expr.value.value, ast.Name)):
+        return expr.value.value.id, False
+    return None
+
+
+def capacity_cut(expr: ast.AST) -> tuple[str, ast.expr, bool] | None:
+    """(A, c, counts elements) when `expr` is `A[:c] if <size of A> > c else A` (or `c < <size>`)."""
+    if not isinstance(expr, ast.IfExp) or not isinstance(expr.orelse, ast.Name):
+        return None
+    body, test, rows = expr.body, expr.test, expr.orelse.id
+    if not (isinstance(body, ast.Subscript) and isinstance(body.value, ast.Name) and body.value.id == rows
+            and isinstance(body.slice, ast.Slice) and body.slice.lower is None and body.slice.step is None
+            and body.slice.upper is not None):
+        return None
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return None
+    if isinstance(test.ops[0], ast.Gt):
+        size, bound = test.left, test.comparators[0]
+    elif isinstance(test.ops[0], ast.Lt):
+        size, bound = test.comparators[0], test.left
+    else:
+        return None
+    read = _size_read(size)
+    if read is None or read[0] != rows or ast.dump(bound) != ast.dump(body.slice.upper):
+        return None
+    return rows, body.slice.upper, read[1]
+
+
+class CutToCapacity(ast.NodeTransformer):
+    """`A[:c] if A.numel() > c else A` -> `A[:c]` (for numel, `A[:c] if A.dim() == 1 else <as written>`)."""
+
+    def visit_IfExp(self, node: ast.IfExp):
+        node = self.generic_visit(node)
+        found = capacity_cut(node)
+        if found is None:
+            return node
+        rows, _, counts_elements = found
+        if not counts_elements:
+            return node.body
+        one_dim = ast.Compare(
+            ast.Call(ast.Attribute(ast.Name(rows, ast.Load()), "dim", ast.Load()), [], []), [ast.Eq()],
+            [ast.Constant(1)])
+        return ast.copy_location(ast.IfExp(one_dim, node.body, node), node)
+
+
+def capacity_cuts(tree: ast.AST) -> tuple[int, ...]:
+    """Lines of the capacity cuts in `tree` (`CutToCapacity` rewrites them; exact wherever they are)."""
+    return tuple(sorted({node.lineno for node in ast.walk(tree) if capacity_cut(node) is not None}))
+
+
 class ReplaceListIndices(ast.NodeTransformer):
     """Drops each `name = rows.tolist()` of `found` and indexes with `rows` where `name` was read."""
 
@@ -176,5 +247,5 @@ class ReplaceListIndices(ast.NodeTransformer):
         return node
 
 
-__all__ = ["ListIndex", "ReplaceListIndices", "check_length_reads", "data_length_names", "length_reads",
+__all__ = ["CutToCapacity", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
            "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable"]

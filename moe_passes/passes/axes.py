@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..fx_utils import is_call, val
+from ..fx_utils import arguments, is_call, val
 from .slots import same_size
 
 aten = torch.ops.aten
@@ -71,6 +71,8 @@ def frontier(node: Node, stop=lambda n: False, products: bool = False, depth: in
         return None
     if is_call(node, *_VIEWS, *_PERMUTES):
         inputs = node.args[:1]
+    elif products and is_call(node, aten.sum.dim_IntList):
+        inputs = node.args[:1]
     elif is_call(node, aten.bmm.default, aten.mm.default) or (products and is_call(node, aten.mul.Tensor)):
         inputs = node.args[:2]
         if not all(isinstance(arg, Node) for arg in inputs):
@@ -99,7 +101,31 @@ def _read(node: object, leaves: dict, sizes: dict, depth: int) -> Contraction | 
     if is_call(node, aten.mul.Tensor):
         left, right = (_read(arg, leaves, sizes, depth - 1) for arg in node.args[:2])
         return _elementwise(left, right)
+    if is_call(node, aten.sum.dim_IntList):
+        return _summed(node, _read(node.args[0], leaves, sizes, depth - 1))
     return None
+
+
+def _summed(node: Node, inner: Contraction | None) -> Contraction | None:
+    """sum(a, dims, keepdim): the labels of the summed dims join `summed` (a kept dim has none left)."""
+    args = arguments(node) or {}
+    if inner is None or args.get("dtype") is not None or not args.get("dim"):
+        return None
+    dims = {d % len(inner.axes) for d in args["dim"]}
+    kept = tuple(() if i in dims else axis for i, axis in enumerate(inner.axes) if args.get("keepdim") or i not in dims)
+    summed = frozenset(label for i in dims for label in inner.axes[i])
+    return Contraction(kept, inner.summed | summed, inner.leaves)
+
+
+def top_of_views(node: Node) -> Node:
+    """The last of the views a single-use chain puts on `node` (where a result is read)."""
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if not is_call(user, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                       aten.squeeze.dim, aten.permute.default, aten.clone.default):
+            break
+        node = user
+    return node
 
 
 def _elementwise(left: Contraction | None, right: Contraction | None) -> Contraction | None:

@@ -17,13 +17,10 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import (
-    SHAPE_ONLY_OPS,
     backward_slice,
     const_int,
     dtype,
     is_call,
-    is_cast,
-    is_getitem,
     shape,
     strip_casts,
     strip_shape_ops,
@@ -421,46 +418,10 @@ def _frontier(terms: list[ExpertTerm], through_tables: bool = False) -> tuple[se
             slices.append(nodes)
             for node in nodes:
                 frontier.update(n for n in node.all_input_nodes if n in common)
-        masks = {n for n in frontier if _is_mask_op(n) or (through_tables and _is_table_op(n))}
+        masks = {n for n in frontier if probe.builds_mask(n) or (through_tables and probe.builds_table(n))}
         if not masks:
             return frontier, slices
         common -= masks
-
-
-def _is_mask_op(node: Node) -> bool:
-    """An integer/boolean tensor computed by a probe-able op (not a getitem of some other op)."""
-    value_dtype = dtype(node)
-    return (
-        node.op == "call_function"
-        and node.target in probe.PROBE_OPS
-        and not is_getitem(node)
-        and value_dtype is not None
-        and not value_dtype.is_floating_point
-    )
-
-
-def _is_table_op(node: Node) -> bool:
-    """A tensor made by probe-able ops from integer ids (a routing table of any dtype), or a constant
-    tensor made from no tensor at all (the zeros a table is scattered into)."""
-    if node.op != "call_function" or node.target not in probe.PROBE_OPS or is_getitem(node):
-        return False
-    if node.target in SHAPE_ONLY_OPS or is_cast(node):  # a view or cast of the weights (`w[..., None]`)
-        return True
-    if not any(isinstance(n.meta.get("val"), torch.Tensor) for n in node.all_input_nodes):  # sizes only
-        return isinstance(node.meta.get("val"), torch.Tensor)
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        for source in current.all_input_nodes:
-            if source in seen:
-                continue
-            seen.add(source)
-            value = dtype(source)
-            if value is not None and not value.is_floating_point and value != torch.bool:
-                return True
-            if source.op == "call_function" and source.target in probe.PROBE_OPS:
-                stack.append(source)
-    return False
 
 
 def _expert_ids(terms: list[ExpertTerm]):

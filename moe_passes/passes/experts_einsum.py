@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import const_int, is_call, is_getitem, shape, strip_casts, through_trailing_cast, val
-from .axes import contraction, frontier
+from .axes import contraction, frontier, top_of_views
 from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import activation_of, gated_product
@@ -36,17 +36,6 @@ def _gathered_stack(node: Node) -> tuple[Node, Node] | None:
     return None
 
 
-def _top(node: Node) -> Node:
-    """The last of the views a single-use chain puts on `node` (where the combine's result is read)."""
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        if not is_call(user, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                       aten.squeeze.dim, aten.permute.default, aten.clone.default):
-            break
-        node = user
-    return node
-
-
 def _combine_leaves(out: Node) -> list[Node] | None:
     """What the combine (and the down projection under it) reads: through views, matmuls and products,
     down to the gated product of the experts (a leaf)."""
@@ -57,12 +46,12 @@ def _combine_leaves(out: Node) -> list[Node] | None:
 
 
 def _is_candidate(node: Node) -> bool:
-    leaves = _combine_leaves(_top(node))
+    leaves = _combine_leaves(top_of_views(node))
     return leaves is not None and any(_gathered_stack(leaf) for leaf in leaves)
 
 
 def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
-    out = _top(anchor)
+    out = top_of_views(anchor)
     leaves = _combine_leaves(out)
     stacks = [leaf for leaf in leaves if _gathered_stack(leaf)]
     others = [leaf for leaf in leaves if leaf not in stacks]

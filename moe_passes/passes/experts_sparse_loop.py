@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops, through_trailing_cast
 from .experts_dense_loop import ExpertTerm, is_zero_init, match_terms, read_term
@@ -29,6 +30,25 @@ from .matches import Decline, ExpertsMatch
 
 aten = torch.ops.aten
 FORM = "sparse_loop"
+CUT_TO_CAPACITY = (
+    "an expert's rows are cut to a capacity (`rows[:C]` of the tokens it selected, makeMoE style): tokens "
+    "past it are dropped from that expert, and the fused kernel computes every routed token"
+)
+
+
+def _cut_to_capacity(rows: Node) -> Node | None:
+    """The slice that keeps only the first C of an expert's selected rows, where C is not proved to be
+    at least their count (probes route few tokens to each expert, so they cannot be trusted to see it)."""
+    node = strip_shape_ops(rows)
+    while is_call(node, aten.slice.Tensor, aten.alias.default):
+        if is_call(node, aten.slice.Tensor):
+            args = dict(zip(("input", "dim", "start", "end", "step"), node.args, strict=False))
+            size = shape(args["input"])[args.get("dim", 0)] if shape(args["input"]) else None
+            end = args.get("end")
+            if end is not None and not (size is not None and statically_known_true(end >= size)):
+                return node
+        node = strip_shape_ops(node.args[0])
+    return None
 
 
 def _candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
@@ -104,6 +124,9 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
         _, dim, index, source, overwrites = link_parts(link)
         if dim != 0 or not isinstance(index, Node) or not isinstance(source, Node):
             return no("expert outputs are not added back along the token dimension", link)
+        cut = _cut_to_capacity(index)
+        if cut is not None:
+            return no(CUT_TO_CAPACITY, cut)
         term = read_term(source)
         if term is None:
             return no("an expert's scattered output is not a gated MLP of the gathered tokens", source)

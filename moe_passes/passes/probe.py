@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, is_cast
+from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, dtype, is_cast, is_getitem
 
 aten = torch.ops.aten
 
@@ -200,3 +200,59 @@ def column_probes(tokens: int, num_experts: int, dtype: torch.dtype, count: int 
 def padded_columns(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The kernel's per-expert weights: zeros(T, E).scatter_(-1, ids, w)."""
     return torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype).scatter_(-1, ids, weights)
+
+
+def builds_mask(node: Node) -> bool:
+    """An integer/boolean tensor computed by a probe-able op (not a getitem of some other op): where the
+    routing masks a loop indexes begin, looked through to reach the ids."""
+    value_dtype = dtype(node)
+    return (
+        node.op == "call_function"
+        and node.target in PROBE_OPS
+        and not is_getitem(node)
+        and value_dtype is not None
+        and not value_dtype.is_floating_point
+    )
+
+
+def builds_table(node: Node) -> bool:
+    """A tensor that probe-able ops make from integer ids (a routing table of any dtype: scatter_add,
+    one_hot(ids) * w summed over the slots), a view or cast on the way to one (`w[..., None]`), or a
+    constant tensor made from sizes alone (the zeros a table is scattered into)."""
+    if node.op != "call_function" or node.target not in PROBE_OPS or is_getitem(node):
+        return False
+    if node.target in SHAPE_ONLY_OPS or is_cast(node):
+        return True
+    if not any(isinstance(n.meta.get("val"), torch.Tensor) for n in node.all_input_nodes):  # sizes only
+        return isinstance(node.meta.get("val"), torch.Tensor)
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        for source in current.all_input_nodes:
+            if source in seen:
+                continue
+            seen.add(source)
+            value = dtype(source)
+            if value is not None and not value.is_floating_point and value != torch.bool:
+                return True
+            if source.op == "call_function" and source.target in PROBE_OPS:
+                stack.append(source)
+    return False
+
+
+def table_sources(table: Node) -> tuple[set[Node], list[Node]]:
+    """(the tensors a [T, E] routing table is built from, the nodes that build it, in graph order),
+    looking through the ops that make masks and tables out of the ids."""
+    nodes, sources, stack, seen = [], set(), [table], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is table or builds_mask(node) or builds_table(node):
+            nodes.append(node)
+            stack.extend(node.all_input_nodes)
+        elif isinstance(node.meta.get("val"), torch.Tensor):
+            sources.add(node)
+    order = {n: i for i, n in enumerate(table.graph.nodes)}
+    return sources, sorted(nodes, key=order.__getitem__)
