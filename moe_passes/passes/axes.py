@@ -30,6 +30,7 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.contiguous.default, aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.squeeze.dims, aten.squeeze.default)
 _PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
+VIEW_OPS = _VIEWS + _PERMUTES  # what `frontier` and `contraction` read through
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, dtype, is_call, shape, through_trailing_cast, val
+from ..fx_utils import const_int, dtype, is_call, is_cast, shape, through_trailing_cast, val
 from . import probe
-from .axes import contraction, frontier, top_of_views
+from .axes import VIEW_OPS, contraction, frontier, top_of_views
 from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, ExpertWeights
 from .mlp import activation_of, gated_product, halves
@@ -44,14 +44,31 @@ def _routing_table(node: Node) -> bool:
     return probe.builds_table(node) and len(probe.table_sources(node)[0]) == 2
 
 
+def _table_labels(node: Node) -> tuple[Node, tuple] | None:
+    """(the 2-D routing table, labels of `node`'s dims) when `node` is the table, or a cast of it with
+    size-1 dims inserted (`table.unsqueeze(-1).to(y.dtype)`): ("t", "e") with None at the inserted dims."""
+    inserted = []
+    while is_cast(node) or is_call(node, aten.unsqueeze.default):
+        if is_call(node, aten.unsqueeze.default):
+            inserted.append(node.args[1] % len(shape(node)))
+        node = node.args[0]
+    if not _routing_table(node):
+        return None
+    labels: list = ["t", "e"]
+    for dim in reversed(inserted):  # innermost unsqueeze first
+        labels.insert(dim, None)
+    return node, tuple(labels)
+
+
 def _combine_leaves(out: Node) -> tuple[Node, Node, Node] | None:
-    """(table [T, E], gated product [E, T, I], down weights [E, ., .]) that the combine reads, or None."""
-    leaves = frontier(out, stop=lambda n: _experts_product(n) or _routing_table(n), products=True)
+    """(table leaf [T, E] (or a cast with size-1 dims), gated product [E, T, I], down weights [E, ., .])
+    that the combine reads, or None."""
+    leaves = frontier(out, stop=lambda n: _experts_product(n) or _table_labels(n) is not None, products=True)
     if leaves is None or len(leaves) != 3:
         return None
     product = next((leaf for leaf in leaves if _experts_product(leaf)), None)
     rest = [leaf for leaf in leaves if leaf is not product]
-    table = next((leaf for leaf in rest if len(shape(leaf) or ()) == 2 and val(leaf).is_floating_point()), None)
+    table = next((leaf for leaf in rest if _table_labels(leaf) is not None), None)
     weight = next((leaf for leaf in rest if leaf is not table and len(shape(leaf) or ()) == 3), None)
     return (table, product, weight) if product is not None and table is not None and weight is not None else None
 
@@ -91,9 +108,21 @@ def _expanded_tokens(rows: Node, experts: int) -> Node | None:
     return x if x is not None and const_int(shape(rows)[0]) == experts else None
 
 
-def _up_projection(node: Node, sizes: dict) -> tuple[Node, Node, bool] | str:
-    """(x, weight, out_in) for node[e, t, i] = sum_h x[t, h] * W[e, i, h]."""
-    leaves = frontier(node, stop=lambda n: len(shape(n) or ()) == 2 or is_call(n, aten.expand.default, aten.repeat.default))
+def _views_a_weight(node: Node, experts: int) -> bool:
+    """`node` is a view or permute of an [E, ., .] tensor (a size-1 dim squeezed away), not token rows."""
+    while is_call(node, *VIEW_OPS):
+        node = node.args[0]
+    dims = shape(node) or ()
+    return len(dims) == 3 and const_int(dims[0]) == experts
+
+
+def _up_projection(node: Node, sizes: dict, width: object) -> tuple[Node, Node, bool] | str:
+    """(x, weight, out_in) for node[e, t, i] = sum_h x[t, h] * W[e, i, h] (i of size `width`)."""
+    def rows_or_expanded(n: Node) -> bool:
+        dims = shape(n) or ()
+        return (len(dims) == 2 and not _views_a_weight(n, sizes["e"])) or is_call(n, aten.expand.default, aten.repeat.default)
+
+    leaves = frontier(node, stop=rows_or_expanded, products=True)  # a size-1 contraction is a mul
     if leaves is None or len(leaves) != 2:
         return "gate/up is not an einsum of the tokens and stacked expert weights"
     for rows, weight in (leaves, leaves[::-1]):
@@ -103,7 +132,8 @@ def _up_projection(node: Node, sizes: dict) -> tuple[Node, Node, bool] | str:
         if x is None or len(shape(x) or ()) != 2:
             continue
         labels = ("e", "t", "h") if x is not rows else ("t", "h")
-        out_in = _projection(node, {rows: labels}, weight, "h", "i", sizes)
+        read_sizes = {**sizes, "h": shape(x)[-1], "i": width}
+        out_in = _projection(node, {rows: labels}, weight, "h", "i", read_sizes)
         if out_in is not None:
             return x, weight, out_in
     return "gate/up is not x @ W[e]^T for every expert and token"
@@ -141,7 +171,8 @@ def _table_routing(table: Node, experts: int) -> tuple[Node, Node] | str:
 
 def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     out = top_of_views(anchor)
-    table, product, down_w = _combine_leaves(out)
+    table_leaf, product, down_w = _combine_leaves(out)
+    table, table_labels = _table_labels(table_leaf)
     experts = const_int(shape(down_w)[0])
     sizes = {"e": experts, "t": shape(table)[0], "i": shape(product)[-1], "o": shape(out)[-1], "h": None}
 
@@ -152,7 +183,7 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
         return None  # not a sum over the experts of their outputs
     down_out_in = None
     for out_in, labels in ((True, ("e", "o", "i")), (False, ("e", "i", "o"))):
-        found = contraction(out, {table: ("t", "e"), product: ("e", "t", "i"), down_w: labels})
+        found = contraction(out, {table_leaf: table_labels, product: ("e", "t", "i"), down_w: labels})
         if _labels_read(found, ("t", "o"), {"e", "i"}, sizes):
             down_out_in = out_in
             break
@@ -167,7 +198,7 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     projected = (("gate_up", split[0]),) if split is not None else (("gate", gated.gate), ("up", gated.up))
     roles = {}
     for name, node in projected:
-        read = _up_projection(node, sizes)
+        read = _up_projection(node, sizes, sizes["i"] * (2 if split is not None else 1))
         if isinstance(read, str):
             return no(read, node)
         roles[name] = read
