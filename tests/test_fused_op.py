@@ -216,11 +216,13 @@ def test_int32_routing_table_gives_the_int64_result():
 # Only routed experts run.
 
 
-def _poison_unrouted(args, table, lists):
+def _poison_unrouted(args, table, lists, value=float("nan")):
+    """The unrouted experts' weights replaced by new tensors full of `value` (None: copies of them)."""
     routed = set(table.flatten().tolist())
     for index in lists:
         args[index] = [
-            w if e in routed else torch.full_like(w, float("nan")) for e, w in enumerate(args[index])
+            w if e in routed else w.clone() if value is None else torch.full_like(w, value)
+            for e, w in enumerate(args[index])
         ]
     return args
 
@@ -231,11 +233,14 @@ def test_unrouted_experts_are_never_touched(overload, stacked):
     """NaN weights on every expert no token chose must not reach the output, whichever path runs (the
     loop over routed experts for separate tensors, grouped matmuls over views of one stack)."""
     args, kwargs = case(overload, tokens=2, experts=64, top_k=1)
-    clean = run_op(overload, args, kwargs)
     lists = [i for i, a in enumerate(args) if isinstance(a, list)]
-    poisoned = _poison_unrouted(list(args), args[1], lists)
+    # The clean run gets the same allocations as the poisoned one (fresh copies of the unrouted experts),
+    # so that both take the same path: the op reads weights that are views of one stack as a stack.
+    clean, poisoned = (_poison_unrouted(list(args), args[1], lists, value) for value in (None, float("nan")))
     if stacked:
-        poisoned = [list(torch.stack(a).unbind(0)) if i in lists else a for i, a in enumerate(poisoned)]
+        clean, poisoned = ([list(torch.stack(a).unbind(0)) if i in lists else a for i, a in enumerate(run)]
+                           for run in (clean, poisoned))
+    clean = run_op(overload, clean, kwargs)
     poisoned = run_op(overload, poisoned, kwargs)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
