@@ -210,3 +210,29 @@ def test_whatever_eager_compiles_hpu_moe_compiles_with_eagers_output(construct, 
         report, output = explain_and_run(model, x, options={"inner": "eager", "target": "portable"})
     assert_close_for_dtype(output, expected)
     assert not report.fallbacks or all("internal error" not in f for f in report.fallbacks), str(report)
+
+
+def test_splits_at_host_sizes_outside_an_expert_loop_are_left_as_written():
+    """Only a split whose pieces an expert loop reads switches scalar capture on (vLLM's audio encoders
+    cut a batch into its items with `split(lengths.tolist())`, and loop over their own mergers)."""
+    from moe_passes.adapters import hit_expert_loops
+
+    class Items(nn.Module):
+        def forward(self, x, lengths):
+            return [part.sum(0) for part in x.split(lengths.tolist())]
+
+    class ItemsAndMergers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mergers = nn.ModuleList(nn.Linear(H, H) for _ in range(2))
+
+        def forward(self, x, lengths, layers):
+            sizes = lengths.tolist()
+            outs = []
+            for idx, hidden in enumerate(layers):
+                outs.append(self.mergers[idx](hidden).split(sizes))
+            return x.split(sizes), outs
+
+    assert hit_expert_loops.adaptations_of(Items) == {}
+    assert hit_expert_loops.adaptations_of(ItemsAndMergers) == {}
+    assert "experts_at_host_sizes" in hit_expert_loops.adaptations_of(Layer)

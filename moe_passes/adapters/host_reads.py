@@ -141,16 +141,64 @@ def check_length_reads(fn_def: ast.FunctionDef, rows: set[str], handled: set[int
 def splits_by_host_sizes(fn_def: ast.FunctionDef, assignments: dict) -> bool:
     """`fn_def` splits a tensor at sizes read on the host from a tensor (`torch.split(x, c.tolist())`,
     `x.split(sizes)` with `sizes = c.tolist()`, `split_with_sizes`), the sizes passed positionally or as
-    `split_size_or_sections` / `split_sizes`."""
-    for node in walk_function(fn_def):
-        name = call_name(node)
-        if name not in ("split", "split_with_sizes"):
+    `split_size_or_sections` / `split_sizes`, and a loop over experts reads the pieces: it iterates over
+    them (or indexes them with its index) and its index picks one of the module's own parts
+    (`self.experts[e]`, `self.gate_proj[e]`). Other splits at host sizes (audio and vision encoders cutting
+    a batch into its items) are left as written."""
+    splits = [node for node in walk_function(fn_def) if _split_at_host_sizes(node, assignments)]
+    pieces = {target.id for node in walk_function(fn_def) if isinstance(node, ast.Assign)
+              for target in node.targets if isinstance(target, ast.Name) and _unwrapped(node.value) in splits}
+    for loop in walk_function(fn_def):
+        index = _loop_index(loop) if isinstance(loop, ast.For) else None
+        if index is None or not _indexes_own_parts(loop, index):
             continue
-        is_function = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and (
-            node.func.value.id == "torch")
-        positional = node.args[1:2] if is_function else node.args[:1]
-        keywords = [k.value for k in node.keywords if k.arg in ("split_size_or_sections", "split_sizes", "split_size")]
-        if any(_host_list(size, assignments) for size in (*positional, *keywords)):
+        iterated = _unwrapped(loop.iter.args[0] if call_name(loop.iter) == "enumerate" and loop.iter.args else loop.iter)
+        if iterated in splits or (isinstance(iterated, ast.Name) and iterated.id in pieces):
+            return True
+        if any(isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in pieces
+               and isinstance(n.slice, ast.Name) and n.slice.id == index for stmt in loop.body for n in ast.walk(stmt)):
+            return True
+    return False
+
+
+def _split_at_host_sizes(node: ast.AST, assignments: dict) -> bool:
+    name = call_name(node)
+    if name not in ("split", "split_with_sizes"):
+        return False
+    is_function = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and (
+        node.func.value.id == "torch")
+    positional = node.args[1:2] if is_function else node.args[:1]
+    keywords = [k.value for k in node.keywords if k.arg in ("split_size_or_sections", "split_sizes", "split_size")]
+    return any(_host_list(size, assignments) for size in (*positional, *keywords))
+
+
+def _unwrapped(expr: ast.AST) -> ast.AST:
+    """E for `list(E)` / `tuple(E)`."""
+    while call_name(expr) in ("list", "tuple") and isinstance(expr.func, ast.Name) and len(expr.args) == 1:
+        expr = expr.args[0]
+    return expr
+
+
+def _loop_index(loop: ast.For) -> str | None:
+    """`e` of `for e in ...` and of `for e, x in enumerate(...)`."""
+    target = loop.target
+    if call_name(loop.iter) == "enumerate" and isinstance(target, ast.Tuple) and target.elts:
+        target = target.elts[0]
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _indexes_own_parts(loop: ast.For, index: str) -> bool:
+    """The loop's body subscripts an attribute of `self` with the index alone (`self.experts[e]`,
+    `self.experts[e].w1`, `self.down_proj[e]`)."""
+    return any(isinstance(n, ast.Subscript) and _owned(n.value) and isinstance(n.slice, ast.Name) and n.slice.id == index
+               for stmt in loop.body for n in ast.walk(stmt))
+
+
+def _owned(expr: ast.AST) -> bool:
+    """`self.a` or `self.a.b...`."""
+    while isinstance(expr, ast.Attribute):
+        expr = expr.value
+        if isinstance(expr, ast.Name) and expr.id == "self":
             return True
     return False
 
