@@ -76,6 +76,7 @@ from .source_ast import (
     decided,
     defining_bindings,
     function_source,
+    loop_index,
     stored_names,
     strip_methods,
     walk_function,
@@ -617,7 +618,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
         operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
         if operand is None:
-            index = _index_name(node)
+            index = loop_index(node)
             if selects and index is not None and any(isinstance(s, ast.If) for s in node.body):
                 try:
                     guards.extend(_check_body(node, index, None, fn_def)[0])
@@ -644,16 +645,6 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     if plan.captures_shapes or plan.captures_scalars:
         check_length_reads(fn_def, data_length_names(fn_def, selected_anywhere), _handled_reads(fn_def, plan))
     return fn_def, filename, plan
-
-
-def _index_name(loop: ast.For) -> str | None:
-    """`e` of `for e in ...` and of `for e, x in enumerate(...)`."""
-    if isinstance(loop.target, ast.Name):
-        return loop.target.id
-    if call_name(loop.iter) == "enumerate" and isinstance(loop.target, ast.Tuple) and loop.target.elts:
-        first = loop.target.elts[0]
-        return first.id if isinstance(first, ast.Name) else None
-    return None
 
 
 def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from .source_ast import NotAdaptable, call_name, stored_names, strip_methods, walk_function
+from .source_ast import NotAdaptable, call_name, loop_index, stored_names, strip_methods, walk_function
 
 _VIEWS = {"view", "reshape", "flatten", "contiguous", "cpu", "long", "int", "to", "squeeze", "unsqueeze"}
 
@@ -149,7 +149,7 @@ def splits_by_host_sizes(fn_def: ast.FunctionDef, assignments: dict) -> bool:
     pieces = {target.id for node in walk_function(fn_def) if isinstance(node, ast.Assign)
               for target in node.targets if isinstance(target, ast.Name) and _unwrapped(node.value) in splits}
     for loop in walk_function(fn_def):
-        index = _loop_index(loop) if isinstance(loop, ast.For) else None
+        index = loop_index(loop) if isinstance(loop, ast.For) else None
         if index is None or not _indexes_own_parts(loop, index):
             continue
         iterated = _unwrapped(loop.iter.args[0] if call_name(loop.iter) == "enumerate" and loop.iter.args else loop.iter)
@@ -177,14 +177,6 @@ def _unwrapped(expr: ast.AST) -> ast.AST:
     while call_name(expr) in ("list", "tuple") and isinstance(expr.func, ast.Name) and len(expr.args) == 1:
         expr = expr.args[0]
     return expr
-
-
-def _loop_index(loop: ast.For) -> str | None:
-    """`e` of `for e in ...` and of `for e, x in enumerate(...)`."""
-    target = loop.target
-    if call_name(loop.iter) == "enumerate" and isinstance(target, ast.Tuple) and target.elts:
-        target = target.elts[0]
-    return target.id if isinstance(target, ast.Name) else None
 
 
 def _indexes_own_parts(loop: ast.For, index: str) -> bool:

@@ -89,6 +89,16 @@ def loads(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
+def loop_index(loop: ast.For) -> str | None:
+    """`e` of `for e in ...` and of `for e, x in enumerate(...)`."""
+    if isinstance(loop.target, ast.Name):
+        return loop.target.id
+    if call_name(loop.iter) == "enumerate" and isinstance(loop.target, ast.Tuple) and loop.target.elts:
+        first = loop.target.elts[0]
+        return first.id if isinstance(first, ast.Name) else None
+    return None
+
+
 def strip_methods(expr: ast.AST, methods) -> ast.AST:
     """`expr` without the trailing calls of `methods` on it: N for `N.view(...).cpu().tolist()`."""
     while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in methods:

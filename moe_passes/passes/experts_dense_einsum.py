@@ -149,11 +149,10 @@ def _expert_weights(node: Node, out_in: bool) -> ExpertWeights:
 def _table_routing(table: Node, experts: int) -> tuple[Node, Node] | str:
     """(ids, weights) when column e of `table` is expert e's routing weight (zero where not chosen)."""
     sources, nodes = probe.table_sources(table)
-    ints = [n for n in sources if not dtype(n).is_floating_point and dtype(n) != torch.bool]
-    floats = [n for n in sources if dtype(n).is_floating_point]
-    if len(ints) != 1 or len(floats) != 1 or len(sources) != 2 or shape(ints[0]) != shape(floats[0]):
+    routing = probe.ids_and_weights(sources)
+    if routing is None or shape(routing[0]) != shape(routing[1]):
         return "the routing table is not built from one [T, k] ids tensor and one weights tensor"
-    ids, weights = ints[0], floats[0]
+    ids, weights = routing
     if len(shape(ids)) != 2 or const_int(shape(ids)[1]) is None or const_int(shape(ids)[1]) > experts:
         return "routing ids are not [T, k] with k at most the number of experts"
     tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))

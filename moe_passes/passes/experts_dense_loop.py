@@ -41,8 +41,8 @@ from .mlp import (
 
 aten = torch.ops.aten
 FORM = "dense_loop"
-# A graph compiled for zero tokens gives the probes nothing to check the routing on (and has no work).
 NOT_ONE_IDS_AND_WEIGHTS = "the per-expert routing weights do not derive from one ids tensor and one weights tensor"
+# A graph compiled for zero tokens gives the probes nothing to check the routing on (and has no work).
 EMPTY_BATCH = "the batch is empty at compile time, so which expert takes which weight cannot be checked"
 
 
@@ -523,11 +523,10 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
 def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None = None):
     """Assignment on probe routing; `table`, when given, is the [T, E] table scattered from the ids and
     weights (GPT-OSS's router scores), evaluated from each probe."""
-    ints = [n for n in tensors if not dtype(n).is_floating_point and dtype(n) != torch.bool]
-    floats = [n for n in tensors if dtype(n).is_floating_point]
-    if len(ints) != 1 or len(floats) != 1 or len(tensors) != 2:
+    routing = probe.ids_and_weights(tensors)
+    if routing is None:
         return NOT_ONE_IDS_AND_WEIGHTS
-    ids, weights = ints[0], floats[0]
+    ids, weights = routing
     if shape(ids) != shape(weights) or len(shape(ids)) != 2:
         return "routing ids and weights are not [T, k] tensors of the same shape"
     tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))

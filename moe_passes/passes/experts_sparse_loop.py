@@ -23,7 +23,15 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops, through_trailing_cast
+from ..fx_utils import (
+    arguments,
+    const_int,
+    is_call,
+    shape,
+    strip_casts,
+    strip_shape_ops,
+    through_trailing_cast,
+)
 from .experts_dense_loop import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
@@ -37,15 +45,18 @@ CUT_TO_CAPACITY = (
 
 
 def _cut_to_capacity(rows: Node) -> Node | None:
-    """The slice that keeps only the first C of an expert's selected rows, where C is not proved to be
-    at least their count (probes route few tokens to each expert, so they cannot be trusted to see it)."""
+    """A slice of an expert's selected rows that is not proved to keep them all (`rows[:C]` with C not
+    proved at least their count, or a start or step that skips some): probes route few tokens to each
+    expert, so they cannot be trusted to see the rows it drops."""
     node = strip_shape_ops(rows)
     while is_call(node, aten.slice.Tensor, aten.alias.default):
         if is_call(node, aten.slice.Tensor):
-            args = dict(zip(("input", "dim", "start", "end", "step"), node.args, strict=False))
-            size = shape(args["input"])[args.get("dim", 0)] if shape(args["input"]) else None
+            args = arguments(node) or {}
+            size = shape(args.get("input"))[args.get("dim", 0)] if shape(args.get("input")) else None
             end = args.get("end")
-            if end is not None and not (size is not None and statically_known_true(end >= size)):
+            whole = args.get("start") in (None, 0) and args.get("step", 1) == 1 and (
+                end is None or (size is not None and statically_known_true(end >= size)))
+            if not whole:
                 return node
         node = strip_shape_ops(node.args[0])
     return None

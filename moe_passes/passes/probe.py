@@ -240,6 +240,14 @@ def builds_table(node: Node) -> bool:
     return False
 
 
+def ids_and_weights(tensors: set[Node]) -> tuple[Node, Node] | None:
+    """(ids, weights) when `tensors` are exactly one integer and one floating tensor: what routing hands
+    the experts, read from whatever they were computed with."""
+    ints = [n for n in tensors if not dtype(n).is_floating_point and dtype(n) != torch.bool]
+    floats = [n for n in tensors if dtype(n).is_floating_point]
+    return (ints[0], floats[0]) if len(ints) == 1 and len(floats) == 1 and len(tensors) == 2 else None
+
+
 def table_sources(table: Node) -> tuple[set[Node], list[Node]]:
     """(the tensors a [T, E] routing table is built from, the nodes that build it, in graph order),
     looking through the ops that make masks and tables out of the ids."""
