@@ -13,11 +13,14 @@ from .adapters import adapt, install_discovery_hook, prepare
 from .backend import hpu_moe
 from .explain import explain, explaining
 from .options import Options
+from .pass_manager import BackendPass, GraphState
 from .passes.pipeline import FORMS
 from .report import Declined, Fused, Report
 
 __all__ = [
     "FORMS",
+    "BackendPass",
+    "GraphState",
     "Declined",
     "Fused",
     "Options",

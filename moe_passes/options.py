@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from .backend_passes import COMPILE, DEFAULT_PASSES
 from .lowering import TARGETS
 from .passes.pipeline import FORMS
 
@@ -26,6 +27,10 @@ class Options:
              the fused call's): for users who need eager's results rather than agreement within tolerance.
     forms:   the expert forms to look for, by name (default: all of `moe_passes.FORMS`); naming a
              subset turns the others off, to bisect which finder made a rewrite.
+    skip_passes: names of the backend's passes to leave out (`moe_passes.backend.DEFAULT_PASSES`; e.g.
+             ["fuse routing"], ["take stacked inputs", "restack"]).
+    custom_passes: the user's own `moe_passes.BackendPass` objects, run after the rewrite (they read
+             `state.graph`) and before the rewritten graph is lowered.
     fuse_routing: the softmax → top-k → renormalise chain feeding a portable fused call becomes one
              `moe_passes.softmax_topk` call (passes/routing_fusion.py): None (default) where its logits
              are on CUDA and the op's Triton kernel covers them, True wherever the chain is found (the
@@ -40,6 +45,8 @@ class Options:
     strict: bool = False
     forms: tuple[str, ...] | None = None
     fuse_routing: bool | None = None
+    skip_passes: tuple[str, ...] = ()
+    custom_passes: tuple = ()
 
     @classmethod
     def parse(cls, options: dict | None) -> Options:
@@ -55,6 +62,9 @@ class Options:
             raise ValueError(f"unknown hpu_moe option(s) {unknown}; known options: {sorted(known)}")
         if options.get("forms") is not None:
             options = {**options, "forms": _form_names(options["forms"])}
+        for key in ("skip_passes", "custom_passes"):
+            if key in options:
+                options = {**options, key: _sequence(key, options[key])}
         parsed = cls(**options)
         if parsed.target not in TARGETS:
             raise ValueError(f"hpu_moe option target must be one of {TARGETS}, got {parsed.target!r}")
@@ -67,7 +77,30 @@ class Options:
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
         if parsed.fuse_routing is not None and not isinstance(parsed.fuse_routing, bool):
             raise TypeError("hpu_moe option fuse_routing must be None (where the kernel applies), True or False")
+        _check_skip_passes(parsed.skip_passes)
+        for custom in parsed.custom_passes:
+            if not (isinstance(getattr(custom, "name", None), str) and callable(getattr(custom, "run", None))):
+                raise TypeError(f"hpu_moe option custom_passes: {custom!r} is not a pass (subclass "
+                                "moe_passes.BackendPass: a `name` and a `run(state)` method)")
         return parsed
+
+
+def _check_skip_passes(names: tuple) -> None:
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError("hpu_moe option skip_passes must be a list of pass names, e.g. ['fuse routing']")
+    known = [p.name for p in DEFAULT_PASSES]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"hpu_moe option skip_passes: unknown pass(es) {unknown}; the passes are {known}")
+    essential = sorted({p.name for p in DEFAULT_PASSES if p.phase == COMPILE} & set(names))
+    if essential:
+        raise ValueError(f"hpu_moe option skip_passes: {essential} cannot be skipped (dynamo needs a compiled graph)")
+
+
+def _sequence(key: str, value) -> tuple:
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise TypeError(f"hpu_moe option {key} must be a list, got {type(value).__name__}")
+    return tuple(value)
 
 
 def _form_names(forms) -> tuple[str, ...]:

@@ -8,52 +8,26 @@ rewrite it must get (or why it must be declined). The demo, the tests and the to
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from types import ModuleType
 
 from ._expected import Expected
 
-FORMS = (
-    "static_dense_loop",
-    "modulelist_dense_mask",
-    "hf_grouped_mm",
-    "hf_batched_mm",
-    "hf_transposed_experts",
-    "hf517_grouped_mm",
-    "hf517_batched_mm",
-    "gpt_oss_experts",
-    "qwen2_shared_expert",
-    "deepseek_v3_routing",
-    "hf4_sparse_loop",
-    "mixtral4_sparse_loop",
-    "hf4_hit_expert_loop",
-    "gpt_oss4_hit_loop",
-    "gpt_oss4_dense_bmm",
-    "granite4_segments",
-    "deepseek_v2_count_loop",
-    "aria4_offset_segments",
-    "expert_parallel_sparse_loop",
-    "mistral_where_loop",
-    "torchtitan_grouped_experts",
-    "gpt_fast_gathered_einsum",
-    "sglang_native_einsum",
-    "vllm_omni_dense_einsum",
-    "megatron_sequential_mlp",
-    "near_miss_input_scaled",
-    "near_miss_mixed_activation",
-    "near_miss_output_escapes",
-    "near_miss_unequal_experts",
-    "near_miss_exact_gelu",
-    "near_miss_clamped_swiglu",
-    "near_miss_concatenated_swiglu",
-    "near_miss_llama4_dense_bmm",
-    "near_miss_data_dependent_loop",
-    "near_miss_torchtitan_score_before_experts",
-    "near_miss_deepspeed_capacity",
-)
+
+def _form_modules() -> tuple[str, ...]:
+    """Every module of this package that is a form: not `_private` helpers, not the `corpus` package,
+    not a module that says `IN_CATALOG = False` (a calling convention that runs only inside its
+    framework's context, e.g. `vllm_fused_moe`)."""
+    names = sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.ispkg and not info.name.startswith("_"))
+    return tuple(name for name in names if getattr(importlib.import_module(f"{__name__}.{name}"), "IN_CATALOG", True))
+
+
+# Discovered, not listed: adding a form is adding its module (and its snapshot).
+FORMS = _form_modules()
 
 
 def catalog() -> dict[str, ModuleType]:
-    """{form name: module}, in a stable order."""
+    """{form name: module}, in name order."""
     return {name: importlib.import_module(f"{__name__}.{name}") for name in FORMS}
 
 

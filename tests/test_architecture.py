@@ -85,7 +85,9 @@ def test_no_function_of_the_passes_is_longer_than_60_lines():
 
 
 @pytest.mark.parametrize("form", ["hf_batched_mm", "static_dense_loop"])
-def test_one_layer_reaches_the_fused_call_in_at_most_8_hops_through_6_modules(form):
+def test_one_layer_reaches_the_fused_call_in_at_most_10_hops_through_6_modules(form):
+    """backend pass list -> canonicalize -> find -> the form's finder -> rewrite (the pass manager's
+    dispatch is not counted: tools/hops.py)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import hops
@@ -94,7 +96,7 @@ def test_one_layer_reaches_the_fused_call_in_at_most_8_hops_through_6_modules(fo
     functions, _ = hops.measure(form)
     modules = {hops._module_of(f) for f in functions}
     assert any(f.endswith("rewrite_experts") for f in functions), functions
-    assert len(functions) <= 8 and len(modules) <= 6, functions
+    assert len(functions) <= 10 and len(modules) <= 6, functions
 
 
 def test_forms_can_be_switched_off_by_name():
@@ -125,3 +127,20 @@ def test_every_step_is_counted_in_dynamo_counters():
     assert ours["fused"] == 2 and ours["canonicalize"] == 1 and ours["find"] == 1 and ours["rewrite"] == 1, dict(ours)
     assert ours["inner compile"] == 1 and not ours["internal_errors"] and not ours["fallbacks"], dict(ours)
     torch._dynamo.reset()
+
+
+def test_backend_functions_are_at_most_40_lines_and_the_forms_are_not_listed_by_hand():
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse((PACKAGE / "backend.py").read_text()))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= 40
+    ]
+    assert not long, long
+    # Each form registers its finder in its own module (passes/finder.py discovers them): the pipeline,
+    # the options and the backend name none of them.
+    for module in ("passes/pipeline.py", "options.py", "backend.py", "backend_passes.py"):
+        imported = _imports(PACKAGE / module)
+        assert not [i for i in imported if i.startswith("moe_passes.passes.experts_")], (module, imported)
+    finders = {path.stem for path in (PACKAGE / "passes").glob("experts_*.py")}
+    assert len(moe_passes.FORMS) == len(finders)
+

@@ -126,12 +126,12 @@ def test_disabled_option_leaves_the_graph_unrewritten():
 
 
 def test_internal_error_falls_back_with_a_warning(monkeypatch):
-    import moe_passes.backend as backend
+    import moe_passes.backend_passes as backend_passes
 
     def broken(*args, **kwargs):
         raise KeyError("simulated bug")
 
-    monkeypatch.setattr(backend, "find_layers", broken)
+    monkeypatch.setattr(backend_passes, "find_layers", broken)
     model, inputs = _form()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -6,7 +6,7 @@ import torch
 
 import moe_passes
 import patterns
-from moe_passes import backend, ir
+from moe_passes import backend_passes, ir
 
 
 def test_rewritten_graph_carries_dynamo_metadata(monkeypatch):
@@ -17,7 +17,7 @@ def test_rewritten_graph_carries_dynamo_metadata(monkeypatch):
         carried.append((result, canonical))
         return result
 
-    monkeypatch.setattr(backend, "carry_dynamo_metadata", spy)
+    monkeypatch.setattr(backend_passes, "carry_dynamo_metadata", spy)
     model, inputs = patterns.catalog()["hf_grouped_mm"].build(layers=2)
     torch._dynamo.reset()
     with torch.no_grad():

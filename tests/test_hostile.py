@@ -209,7 +209,7 @@ def _boom(*args, **kwargs):
 @pytest.mark.parametrize(
     "where",
     [
-        "moe_passes.backend.to_canonical_aten",
+        "moe_passes.backend_passes.to_canonical_aten",
         "moe_passes.passes.pipeline.check",
         "moe_passes.passes.pipeline.rewrite_experts",
         "moe_passes.passes.rewrite.lowering.call_arguments",
@@ -321,7 +321,7 @@ def test_values_read_as_numbers_in_the_graph_are_reported_not_warned_about(monke
     def reads_a_value(*_args, **_kwargs):
         raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
 
-    monkeypatch.setattr("moe_passes.backend.to_canonical_aten", reads_a_value)
+    monkeypatch.setattr("moe_passes.backend_passes.to_canonical_aten", reads_a_value)
     model, inputs = FORMS["hf_batched_mm"].build(layers=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_passes
-from moe_passes import backend, stacked_inputs
+from moe_passes import backend_passes, stacked_inputs
 from moe_passes.stacked_inputs import InputPlan, StackedGroup
 from moe_passes.stacks import stacked_view as _stacked_view
 from moe_passes.steps import COUNTERS
@@ -24,13 +24,13 @@ def _experts(model):
 
 def _inner_graphs(monkeypatch) -> list[torch.fx.GraphModule]:
     """Records every graph handed to the inner compiler."""
-    seen, compile_inner = [], backend._compile_inner
+    seen, compile_inner = [], backend_passes.compile_inner
 
     def recording(compiler, inner, graph, example_inputs, mode):
         seen.append(graph)
         return compile_inner(compiler, inner, graph, example_inputs, mode)
 
-    monkeypatch.setattr(backend, "_compile_inner", recording)
+    monkeypatch.setattr(backend_passes, "compile_inner", recording)
     return seen
 
 
@@ -43,14 +43,14 @@ def _assert_own_allocations(experts):
 
 def _fail_inner_compiles_of_fused_graphs(monkeypatch) -> None:
     """The inner compiler raises on any graph holding a fused call (the captured graph still compiles)."""
-    compile_inner = backend._compile_inner
+    compile_inner = backend_passes.compile_inner
 
     def failing_on_fused(compiler, inner, graph, example_inputs, mode):
         if _moe_calls(graph):
             raise RuntimeError("inner backend broke")
         return compile_inner(compiler, inner, graph, example_inputs, mode)
 
-    monkeypatch.setattr(backend, "_compile_inner", failing_on_fused)
+    monkeypatch.setattr(backend_passes, "compile_inner", failing_on_fused)
 
 
 def _moe_calls(graph):
@@ -97,8 +97,8 @@ def test_a_recompile_finds_the_weights_already_stacked(monkeypatch):
 
 
 def test_stack_inputs_carry_dynamos_static_mark_and_user_backends_keep_the_lists(monkeypatch):
-    assert backend._takes_stacks("inductor") and backend._takes_stacks("eager")
-    assert not backend._takes_stacks(lambda gm, inputs: gm), "a user's backend gets the inputs dynamo captured"
+    assert backend_passes.takes_stacks("inductor") and backend_passes.takes_stacks("eager")
+    assert not backend_passes.takes_stacks(lambda gm, inputs: gm), "a user's backend gets the inputs dynamo captured"
     model, (x,) = mixtral4_sparse_loop.build(layers=1, num_experts=4)
     seen = _inner_graphs(monkeypatch)
     torch._dynamo.reset()

@@ -2,8 +2,9 @@
 
 Compiles one catalog form with backend="hpu_moe" under a profiler hook and records the stack of
 moe_passes functions at the moments a layer passes through: the captured graph made canonical
-(make_fx), the expert match made (finder), the fused call node emitted (rewrite). A hop is a distinct function on those stacks, from the backend entry down; the modules
-are the files they live in.
+(make_fx), the expert match made (finder), the fused call node emitted (rewrite). A hop is a distinct
+function on those stacks, from the backend entry down; the modules are the files they live in. The pass
+manager's dispatch is not a hop: a reader goes from the declared pass list (backend.py) to the pass.
 
     python tools/hops.py [--form hf_grouped_mm]
 """
@@ -22,12 +23,13 @@ import moe_passes  # noqa: E402
 import patterns  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(moe_passes.__file__))
+DISPATCH = os.path.join(PACKAGE, "pass_manager.py")  # runs the declared passes: not a place a reader goes
 
 
 def _own(frame) -> str | None:
     """"module.function" for a frame of moe_passes code, else None."""
     path = frame.f_code.co_filename
-    if not path.startswith(PACKAGE) or frame.f_code.co_name.startswith("<") and frame.f_code.co_name != "<lambda>":
+    if not path.startswith(PACKAGE) or path == DISPATCH or frame.f_code.co_name.startswith("<") and frame.f_code.co_name != "<lambda>":
         return None  # comprehensions are expressions, not places a reader goes
     module = os.path.relpath(path, os.path.dirname(PACKAGE))[: -len(".py")].replace(os.sep, ".")
     return f"{module}.{frame.f_code.co_qualname if hasattr(frame.f_code, 'co_qualname') else frame.f_code.co_name}"

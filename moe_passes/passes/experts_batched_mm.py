@@ -129,4 +129,6 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
 
 
 # The k-slot sum that ends the region anchors it.
-FINDER = Finder(FORM, (aten.sum.dim_IntList,), each_anchor(_near_bmm_of_gathered_weights), match_at)
+FINDER = Finder(
+    FORM, (aten.sum.dim_IntList,), each_anchor(_near_bmm_of_gathered_weights), match_at, priority=20
+)

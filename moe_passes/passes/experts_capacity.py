@@ -83,4 +83,7 @@ def match_at(anchor: Node) -> Decline | None:
     return Decline(FORM, NO_DROP_YET if never_drops else DROPS, _top(anchor))
 
 
-FINDER = Finder(FORM, (aten.bmm.default, aten.mm.default), each_anchor(lambda node: _combine(node) is not None), match_at)
+FINDER = Finder(
+    FORM, (aten.bmm.default, aten.mm.default), each_anchor(lambda node: _combine(node) is not None), match_at,
+    priority=90,
+)

@@ -215,4 +215,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
 
 
 # The sum over the expert dim ends the region; a bmm of input-scaled rows is the Llama4 near miss.
-FINDER = Finder(FORM, (aten.sum.dim_IntList, aten.bmm.default), each_anchor(_is_candidate), _read, reads_every_expert=True)
+FINDER = Finder(
+    FORM, (aten.sum.dim_IntList, aten.bmm.default), each_anchor(_is_candidate), _read, priority=50,
+    reads_every_expert=True,
+)

@@ -227,4 +227,4 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
 
 # The combine's bmm or sum over the experts ends the region.
 FINDER = Finder(FORM, (aten.bmm.default, aten.sum.dim_IntList), each_anchor(_is_candidate), match_at,
-                reads_every_expert=True)
+                priority=60, reads_every_expert=True)

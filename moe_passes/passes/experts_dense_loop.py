@@ -563,4 +563,6 @@ def _routing_width(ids: Node) -> int | None:
     return describe(ids, ids).num_experts
 
 
-FINDER = Finder(FORM, TERM_ENDS, _candidates, match_accumulation, reads_every_expert=True)
+FINDER = Finder(
+    FORM, TERM_ENDS, _candidates, match_accumulation, priority=30, partial_ranges=True, reads_every_expert=True
+)

@@ -177,4 +177,4 @@ def halves_of(split: Node, width: object) -> bool:
 
 
 # The combine's bmm ends the region; with one slot (k = 1) einsum writes it as a product.
-FINDER = Finder(FORM, (aten.bmm.default, aten.mul.Tensor), each_anchor(_is_candidate), match_at)
+FINDER = Finder(FORM, (aten.bmm.default, aten.mul.Tensor), each_anchor(_is_candidate), match_at, priority=80)

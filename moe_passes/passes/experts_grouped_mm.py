@@ -227,4 +227,4 @@ def _split_product(mul: Node, unmask) -> tuple[StackedLinear | None, Node | None
     return None, None
 
 
-FINDER = Finder(FORM, ANCHORS, each_anchor(_feeds_from_grouped_mm), match_at)
+FINDER = Finder(FORM, ANCHORS, each_anchor(_feeds_from_grouped_mm), match_at, priority=10)

@@ -342,4 +342,4 @@ def _match(output, terms, hidden, ids, weights, top_k, no) -> ExpertsMatch | Dec
 
 
 # Per-expert outputs are joined by a cat, or written over a zeros buffer by slice_scatters.
-FINDER = Finder(FORM, (aten.cat.default, aten.slice_scatter.default), _candidates, match_at)
+FINDER = Finder(FORM, (aten.cat.default, aten.slice_scatter.default), _candidates, match_at, priority=70)

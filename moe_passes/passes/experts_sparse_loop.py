@@ -168,4 +168,6 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
 
 
 # Each link is an index_add (or an accumulating index_put) into the output.
-FINDER = Finder(FORM, (aten.index_add.default, aten.index_put.default), _candidates, match_at)
+FINDER = Finder(
+    FORM, (aten.index_add.default, aten.index_put.default), _candidates, match_at, priority=40, partial_ranges=True
+)

@@ -21,42 +21,18 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
-from . import (
-    experts_batched_mm,
-    experts_capacity,
-    experts_dense_bmm,
-    experts_dense_einsum,
-    experts_dense_loop,
-    experts_einsum,
-    experts_grouped_mm,
-    experts_segments,
-    experts_sparse_loop,
-    routing,
-)
+from . import routing
 from .expert_ids import ExpertIds, UnboundedIds, check_unbounded_ids, read_expert_ids
-from .finder import Finder
+from .finder import Finder, discover
 from .matches import Decline, ExpertsMatch, RoutingInfo
 from .rewrite import rewrite_experts
 
 log = logging.getLogger(__name__)
 
-# In priority order: where two finders match one region, the first one's match is used.
-FINDERS: tuple[Finder, ...] = (
-    experts_grouped_mm.FINDER,
-    experts_batched_mm.FINDER,
-    experts_dense_loop.FINDER,
-    experts_sparse_loop.FINDER,
-    experts_dense_bmm.FINDER,
-    experts_dense_einsum.FINDER,
-    experts_segments.FINDER,
-    experts_einsum.FINDER,
-    experts_capacity.FINDER,
-)
+# Every form's finder, in priority order (each `experts_*` module registers its own: finder.py).
+FINDERS: tuple[Finder, ...] = discover()
 FORMS = tuple(f.name for f in FINDERS)
-
-# Forms whose finders verify which expert of the router each term is (probes), so that a region may
-# hold a contiguous range of the router's experts (expert parallelism).
-PARTIAL_RANGE_FORMS = (experts_dense_loop.FORM, experts_sparse_loop.FORM)
+PARTIAL_RANGE_FORMS = tuple(f.name for f in FINDERS if f.partial_ranges)
 
 # Runtime checks dynamo records on data-dependent sizes (e.g. the row counts `nonzero` yields in a
 # sparse expert loop). They have no users, so they keep the values they check alive after a rewrite.

@@ -1,0 +1,376 @@
+"""The hpu_moe backend's passes, in the order `backend.DEFAULT_PASSES` runs them.
+
+    canonicalize         dynamo graph -> canonical ATen IR (ir.py)
+    find                 every registered finder reads the graph; matches checked (passes/pipeline.py)
+    rewrite              each accepted layer becomes one fused call (passes/rewrite.py)
+    verify               (options verify=True) the rewritten graph against the captured one
+    fuse routing         softmax -> top-k -> renormalise chains become softmax_topk (passes/routing_fusion.py)
+    take stacked inputs  the compiled graph takes per-expert weight lists as stacks (stacked_inputs.py)
+    inner compile        the inner backend compiles the graph (rewritten, or as captured)
+    restack              per-expert weights moved into one storage after the compile (restack.py)
+
+Each pass reads and writes a `GraphState`; `pass_manager.PassManager` runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch
+from torch._dynamo.backends.registry import list_backends, lookup_backend
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+from . import kernels
+from .adapters.hit_expert_loops import switched_settings_for_this_compile
+from .fx_utils import source_line, val
+from .ir import UntraceableConstruct, carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
+from .pass_manager import COMPILE, LOWER, BackendPass, GraphState
+from .passes import already_fused, routing_fusion
+from .passes.matches import RoutingInfo
+from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
+from .printer import node_lines
+from .report import AlreadyFused, Declined, Fused, GraphRecord
+from .restack import restack_weight_lists
+from .stacked_inputs import find_list_calls, take_stacks, with_stacked_inputs
+from .stacks import unstack
+from .steps import Steps, count
+from .subclass_inputs import SubclassOutput
+from .verify import compare_rewrite
+
+LAYER_META = "moe_passes_layer"  # on each fused call: the layer the report names it by
+log = logging.getLogger("moe_passes.backend")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewrite: canonicalize, find, rewrite, verify
+
+
+class _Rewriting(BackendPass):
+    """A pass of the rewrite: constructs of the user's code that the canonical trace cannot follow are
+    reported by name (the graph stays as captured); anything else is an internal error."""
+
+    def fallback_reason(self, error: Exception) -> tuple[str, bool] | None:
+        if isinstance(error, DataDependentOutputException):  # a construct, not a bug: reported, no warning
+            return (
+                "the graph reads tensor values as Python numbers (`.item()` / `.tolist()`, here "
+                f"{error.func}) that the canonical trace cannot follow; graph left unrewritten"
+            ), False
+        if isinstance(error, UntraceableConstruct | SubclassOutput):  # the user's construct, named
+            return f"graph left unrewritten: {error}", True
+        return None
+
+
+class Canonicalize(_Rewriting):
+    name = "canonicalize"
+
+    def run(self, state: GraphState) -> None:
+        state.canonical = to_canonical_aten(state.captured, state.example_inputs)
+        Steps(state.record).graph("before", state.canonical)
+        state.record.already_fused.extend(
+            AlreadyFused(layer_name(c.node), c.overload, c.num_experts, c.experts_min, c.experts_max, state.record.index)
+            for c in already_fused.find(state.canonical.graph)
+        )
+
+
+class Find(_Rewriting):
+    name = "find"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.canonical is not None
+
+    def run(self, state: GraphState) -> None:
+        found = find_layers(state.canonical.graph, state.options.forms, strict=state.options.strict)
+        state.found = found
+        state.record.declined.extend(_declined(found, state.canonical, state.record.index))
+        if found.internal_errors:
+            count("internal_errors", len(found.internal_errors))
+            warnings.warn(
+                f"hpu_moe: internal error in a finder, its layer left unrewritten: {found.internal_errors[0]}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+class Rewrite(_Rewriting):
+    name = "rewrite"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.found is not None and bool(state.found.accepted)
+
+    def run(self, state: GraphState) -> None:
+        record, found = state.record, state.found
+        state.fused_calls = apply(state.canonical, found, state.target)
+        for accepted, node in zip(found.accepted, state.fused_calls, strict=True):
+            node.meta[LAYER_META] = accepted.layer
+            record.fused.append(_fused(accepted, node, state.target, record.index))
+        views_to_reshapes(state.canonical)
+        carry_dynamo_metadata(state.captured, state.canonical)
+        Steps(record).graph("after", state.canonical)
+        state.rewritten = state.canonical
+
+
+class Verify(_Rewriting):
+    name = "verify"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.options.verify and state.rewritten is not None
+
+    def run(self, state: GraphState) -> None:
+        record = state.record
+        worst, ok = compare_rewrite(state.captured, state.rewritten, state.example_inputs)
+        if ok:
+            record.fused[:] = [dataclasses.replace(f, max_error=worst) for f in record.fused]
+            return
+        why = f"numerical verification failed: max abs error {worst:.3g} exceeds the tolerance for the output dtype"
+        record.declined.extend(Declined(f.layer, f.form, why, record.index) for f in record.fused)
+        record.fused.clear()
+        record.rewritten = None
+        state.rewritten, state.fused_calls = None, []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lower the rewritten graph: fuse routing, take stacked inputs
+
+
+class FuseRouting(BackendPass):
+    """The routing chains that feed portable calls become `softmax_topk` calls: with the option
+    `fuse_routing` None only where the op's Triton kernel covers the logits, with True every one found."""
+
+    name = "fuse routing"
+    phase = LOWER
+    what = "fusing the routing"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.target == "portable" and state.options.fuse_routing is not False
+
+    def run(self, state: GraphState) -> None:
+        graph, record, fuse = state.rewritten, state.record, state.options.fuse_routing
+        try:
+            chains = [
+                chain for chain in routing_fusion.find(graph.graph)
+                if fuse or kernels.routing_kernel_applies(val(chain.logits), chain.k, chain.dtype)
+            ]
+        except Exception as error:  # noqa: BLE001 - the routing runs as written; the MoE rewrite stands
+            count("internal_errors")
+            warnings.warn(f"hpu_moe: internal error while looking for routing to fuse, routing kept as written: "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+            return
+        if not chains:
+            return
+        layers = set()
+        for chain in chains:
+            layers.update(user.meta.get(LAYER_META) for node in (chain.ids, chain.weights) for user in node.users)
+            routing_fusion.rewrite(graph.graph, chain)
+        graph.recompile()
+        record.fused[:] = [dataclasses.replace(f, routing_fused=f.layer in layers) for f in record.fused]
+        count("fused_routing", len(chains))
+        log.info("fused %d routing chains into softmax_topk calls", len(chains))
+
+
+class TakeStackedInputs(BackendPass):
+    """The compiled graph takes the portable calls' per-expert weight lists as stacks (stacked_inputs.py),
+    for inner backends that compile any graph of aten ops (not a user's callable that may expect the
+    captured inputs)."""
+
+    name = "take stacked inputs"
+    phase = LOWER
+    what = "taking the weight lists as stacked inputs"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.target == "portable" and takes_stacks(state.options.inner)
+
+    def run(self, state: GraphState) -> None:
+        graph, record = state.rewritten, state.record
+        taken = take_stacks(graph, state.example_inputs, find_list_calls(graph, state.example_inputs))
+        if taken is None:
+            return
+        state.undo.append(lambda: unstack([t for tensors in taken.moved.values() for t in tensors]))
+        state.inputs = taken.inputs
+        state.wrap_compiled = lambda compiled: with_stacked_inputs(compiled, taken.plan)
+        _record_restacked(record, {call: len(tensors) for call, tensors in taken.moved.items()})
+        compiled_as = {old.meta.get(LAYER_META): overload_name(new.target) for old, new in taken.replaced.items()}
+        record.fused[:] = [dataclasses.replace(f, compiled_as=compiled_as.get(f.layer)) for f in record.fused]
+        count("stacked_inputs", len(taken.plan.groups))
+        log.info("the compiled graph takes %d per-expert weight lists as stacks", len(taken.plan.groups))
+
+
+def takes_stacks(inner) -> bool:
+    return inner_name(inner) in ("inductor", "eager", "aot_eager")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compile, then restack
+
+
+class InnerCompile(BackendPass):
+    name = "inner compile"
+    phase = COMPILE
+    what = "the inner backend"
+
+    def run(self, state: GraphState) -> None:
+        options = state.options
+        compiler = _inner_compiler(options.inner)
+        if state.rewritten is not None:
+            inputs = state.inputs if state.inputs is not None else state.example_inputs
+            state.compiled = compile_inner(compiler, options.inner, state.rewritten, inputs, state.mode)
+        else:
+            state.compiled = _compile_captured(compiler, state)
+
+
+class Restack(BackendPass):
+    """Move the portable calls' per-expert weights in separate allocations into stacks (restack.py).
+
+    After the inner compile: the compilers have read the inputs' layouts (storage offsets included)
+    as dynamo recorded them, and the move changes only where the data lives, not shapes or values.
+    """
+
+    name = "restack"
+    phase = LOWER
+    what = "moving per-expert weights into stacks"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.target == "portable" and state.compiled is not None
+
+    def run(self, state: GraphState) -> None:
+        inputs = state.inputs if state.inputs is not None else state.example_inputs
+        _record_restacked(state.record, restack_weight_lists(state.rewritten.graph, inputs))
+
+
+REWRITE_PASSES: tuple[BackendPass, ...] = (Canonicalize(), Find(), Rewrite(), Verify())
+LOWER_PASSES: tuple[BackendPass, ...] = (FuseRouting(), TakeStackedInputs(), InnerCompile(), Restack())
+DEFAULT_PASSES: tuple[BackendPass, ...] = REWRITE_PASSES + LOWER_PASSES
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers: the inner backend, and the report's entries
+
+
+def default_inner() -> str:
+    """hpu_backend when the Gaudi bridge registered it, else inductor."""
+    try:
+        return "hpu_backend" if "hpu_backend" in list_backends(exclude_tags=()) else "inductor"
+    except TypeError:
+        return "hpu_backend" if "hpu_backend" in list_backends() else "inductor"
+
+
+def inner_name(inner) -> str:
+    if inner is None:
+        return default_inner()
+    return inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
+
+
+def _inner_compiler(inner):
+    if inner is None:
+        inner = default_inner()
+    return lookup_backend(inner) if isinstance(inner, str) else inner
+
+
+def compile_inner(compiler, inner, graph, example_inputs, mode):
+    """Hand the graph on; `torch.compile(mode=...)` reaches inductor as its config, as it would directly."""
+    if mode and mode != "default" and inner_name(inner) == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(graph, example_inputs, config_patches=list_mode_options(mode))
+    return compiler(graph, example_inputs)
+
+
+def _compile_captured(compiler, state: GraphState):
+    """The inner backend on the graph as captured. Where an expert-loop adapter had dynamo keep
+    data-dependent values symbolic for this compile (a graph plain dynamo would have split) and the
+    inner backend cannot compile that graph, it runs uncompiled rather than failing the user's compile."""
+    try:
+        return compile_inner(compiler, state.options.inner, state.captured, state.example_inputs, state.mode)
+    except Exception as error:  # noqa: BLE001 - re-raised unless this package's setting caused the graph
+        switched = switched_settings_for_this_compile()
+        if not switched:
+            raise
+        state.record.fallback = (
+            f"the inner backend could not compile the graph captured with {', '.join(switched)} (switched on by "
+            f"the expert-loop adapter); it runs uncompiled: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}"
+        )
+        warnings.warn(f"hpu_moe: {state.record.fallback}", RuntimeWarning, stacklevel=2)
+        return state.captured.forward
+
+
+def _record_restacked(record: GraphRecord, moved: dict) -> None:
+    """Report `moved` ({fused call: tensors moved into stacks}) on the layers' entries and counters."""
+    if not moved:
+        return
+    by_layer = {node.meta.get(LAYER_META): tensors for node, tensors in moved.items()}
+    record.fused[:] = [
+        dataclasses.replace(f, restacked=f.restacked + by_layer.get(f.layer, 0)) for f in record.fused
+    ]
+    count("restacked_weights", sum(moved.values()))
+    log.info("moved %d per-expert weights into stacks for the portable op", sum(moved.values()))
+
+
+def _declined(found: Found, canonical: torch.fx.GraphModule, graph_index: int) -> list[Declined]:
+    """The report's entries for what the pass left as it was, naming nodes as the graph prints them."""
+    printed = node_lines(canonical) if found.rejected else {}
+    return [
+        Declined(r.layer, r.form, r.reason, graph_index, stopped_at=_where(r.stopped_at, printed))
+        for r in found.rejected
+    ]
+
+
+def _where(node: torch.fx.Node | None, printed: dict) -> str:
+    """A node as the captured graph prints it, with the user source line that produced it."""
+    if node is None:
+        return ""
+    line = printed.get(node, node.name)
+    source = source_line(node)
+    return f"{line}  [{source}]" if source else line
+
+
+def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: int) -> Fused:
+    match = accepted.match
+    return Fused(
+        layer=accepted.layer,
+        form=match.form,
+        num_experts=match.num_experts,
+        top_k=match.top_k,
+        activation=match.activation,
+        overload=overload_name(node.target),
+        target=target,
+        routing=routing_text(accepted.routing),
+        graph=graph_index,
+        experts_min=match.experts_min,
+        router_experts=match.router_experts or accepted.routing.num_experts,
+        ids_checked=_ids_checked_text(match.ids_check),
+    )
+
+
+def _ids_checked_text(check) -> str | None:
+    """"0..7, negative ids wrapped (aten.index)": how a call checks ids no op of the graph bounds."""
+    if check is None:
+        return None
+    wrapped = ", negative ids wrapped" if check.wrap is not None else ""
+    return f"{check.low}..{check.high}{wrapped} ({check.read_by})"
+
+
+def routing_text(info: RoutingInfo) -> str:
+    """"softmax_topk, renormalised, fp32 softmax", as the report prints the routing of a fused layer."""
+    if info.kind == "opaque":
+        return "opaque (ids and weights used as produced)"
+    parts = [info.kind]
+    if info.bias_corrected:
+        parts.append("bias-corrected")
+    if info.grouped:
+        parts.append("grouped")
+    if info.kind in ("softmax_topk", "sigmoid_topk"):
+        parts.append("renormalised" if info.renormalized else "not renormalised")
+    if info.softmax_fp32:
+        parts.append("fp32 softmax")
+    if info.scale is not None:
+        parts.append(f"scaled x{info.scale:g}")
+    if info.masked:
+        parts.append("weights zeroed by a mask")
+    return ", ".join(parts)
+
+
+def overload_name(op: torch._ops.OpOverload) -> str:
+    return f"{op._schema.name}.{op._overloadname}"
