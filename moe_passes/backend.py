@@ -1,7 +1,7 @@
 """The `hpu_moe` torch.compile backend: a declared list of passes, run by `pass_manager.PassManager`.
 
-    dynamo graph -> canonicalize -> find -> rewrite -> (verify) -> fuse routing -> take stacked inputs
-                 -> inner compile -> restack                               (backend_passes.py, in order)
+    dynamo graph -> canonicalize -> find -> rewrite -> (verify) -> fuse routing -> stack weights
+                 -> inner compile                                          (backend_passes.py, in order)
 
 The rewrite is for inference: a graph that may need gradients goes to the inner backend as captured.
 Anything that fails inside the passes also sends the captured graph on unchanged, with a warning, so

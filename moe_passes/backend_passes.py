@@ -5,9 +5,9 @@
     rewrite              each accepted layer becomes one fused call (passes/rewrite.py)
     verify               (options verify=True) the rewritten graph against the captured one
     fuse routing         softmax -> top-k -> renormalise chains become softmax_topk (passes/routing_fusion.py)
-    take stacked inputs  the compiled graph takes per-expert weight lists as stacks (stacked_inputs.py)
+    stack weights        per-expert weight lists taken as stacked inputs, or moved into one storage
+                         once the inner backend compiled (weight_stacks.py)
     inner compile        the inner backend compiles the graph (rewritten, or as captured)
-    restack              per-expert weights moved into one storage after the compile (restack.py)
 
 Each pass reads and writes a `GraphState`; `pass_manager.PassManager` runs them.
 """
@@ -32,12 +32,10 @@ from .passes.matches import RoutingInfo
 from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
 from .printer import node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord
-from .restack import restack_weight_lists
-from .stacked_inputs import find_list_calls, take_stacks, with_stacked_inputs
-from .stacks import unstack
 from .steps import Steps, count
 from .subclass_inputs import SubclassOutput
 from .verify import compare_rewrite
+from .weight_stacks import Stacking, stack_weights
 
 LAYER_META = "moe_passes_layer"  # on each fused call: the layer the report names it by
 log = logging.getLogger("moe_passes.backend")
@@ -131,7 +129,7 @@ class Verify(_Rewriting):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Lower the rewritten graph: fuse routing, take stacked inputs
+# Lower the rewritten graph: fuse routing, stack weights
 
 
 class FuseRouting(BackendPass):
@@ -169,31 +167,39 @@ class FuseRouting(BackendPass):
         log.info("fused %d routing chains into softmax_topk calls", len(chains))
 
 
-class TakeStackedInputs(BackendPass):
-    """The compiled graph takes the portable calls' per-expert weight lists as stacks (stacked_inputs.py),
-    for inner backends that compile any graph of aten ops (not a user's callable that may expect the
-    captured inputs)."""
+class StackWeights(BackendPass):
+    """The portable calls' per-expert weight lists become stacks (weight_stacks.py): taken as stacked
+    graph inputs for inner backends that compile any graph of aten ops (not a user's callable that may
+    expect the captured inputs), else moved into one storage each after the inner compile."""
 
-    name = "take stacked inputs"
+    name = "stack weights"
     phase = LOWER
     what = "taking the weight lists as stacked inputs"
 
     def applies(self, state: GraphState) -> bool:
-        return state.target == "portable" and takes_stacks(state.options.inner)
+        return state.target == "portable"
 
     def run(self, state: GraphState) -> None:
-        graph, record = state.rewritten, state.record
-        taken = take_stacks(graph, state.example_inputs, find_list_calls(graph, state.example_inputs))
-        if taken is None:
-            return
-        state.undo.append(lambda: unstack([t for tensors in taken.moved.values() for t in tensors]))
-        state.inputs = taken.inputs
-        state.wrap_compiled = lambda compiled: with_stacked_inputs(compiled, taken.plan)
-        _record_restacked(record, {call: len(tensors) for call, tensors in taken.moved.items()})
-        compiled_as = {old.meta.get(LAYER_META): overload_name(new.target) for old, new in taken.replaced.items()}
-        record.fused[:] = [dataclasses.replace(f, compiled_as=compiled_as.get(f.layer)) for f in record.fused]
-        count("stacked_inputs", len(taken.plan.groups))
-        log.info("the compiled graph takes %d per-expert weight lists as stacks", len(taken.plan.groups))
+        stacking = stack_weights(state.rewritten, state.example_inputs, takes_stacks(state.options.inner))
+        state.inputs = stacking.inputs
+        state.wrap_compiled = stacking.wrap
+        state.undo.append(stacking.undo)
+        state.after_compile.append(lambda: _after_compile(stacking, state.record))
+        if stacking.taken is not None:
+            _record_stacking(state.record, stacking)
+            count("stacked_inputs", len(stacking.taken.plan.groups))
+            log.info("the compiled graph takes %d per-expert weight lists as stacks", len(stacking.taken.plan.groups))
+
+
+def _after_compile(stacking: Stacking, record: GraphRecord) -> None:
+    stacking.after_compile()
+    _record_restacked(record, stacking.moved_after_compile)
+
+
+def _record_stacking(record: GraphRecord, stacking: Stacking) -> None:
+    _record_restacked(record, {call: len(tensors) for call, tensors in stacking.taken.moved.items()})
+    compiled_as = {old.meta.get(LAYER_META): overload_name(new.target) for old, new in stacking.replaced().items()}
+    record.fused[:] = [dataclasses.replace(f, compiled_as=compiled_as.get(f.layer)) for f in record.fused]
 
 
 def takes_stacks(inner) -> bool:
@@ -201,7 +207,7 @@ def takes_stacks(inner) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Compile, then restack
+# Compile (then what lowering left for after the compile)
 
 
 class InnerCompile(BackendPass):
@@ -215,31 +221,14 @@ class InnerCompile(BackendPass):
         if state.rewritten is not None:
             inputs = state.inputs if state.inputs is not None else state.example_inputs
             state.compiled = compile_inner(compiler, options.inner, state.rewritten, inputs, state.mode)
+            for step in state.after_compile:
+                step()
         else:
             state.compiled = _compile_captured(compiler, state)
 
 
-class Restack(BackendPass):
-    """Move the portable calls' per-expert weights in separate allocations into stacks (restack.py).
-
-    After the inner compile: the compilers have read the inputs' layouts (storage offsets included)
-    as dynamo recorded them, and the move changes only where the data lives, not shapes or values.
-    """
-
-    name = "restack"
-    phase = LOWER
-    what = "moving per-expert weights into stacks"
-
-    def applies(self, state: GraphState) -> bool:
-        return state.target == "portable" and state.compiled is not None
-
-    def run(self, state: GraphState) -> None:
-        inputs = state.inputs if state.inputs is not None else state.example_inputs
-        _record_restacked(state.record, restack_weight_lists(state.rewritten.graph, inputs))
-
-
 REWRITE_PASSES: tuple[BackendPass, ...] = (Canonicalize(), Find(), Rewrite(), Verify())
-LOWER_PASSES: tuple[BackendPass, ...] = (FuseRouting(), TakeStackedInputs(), InnerCompile(), Restack())
+LOWER_PASSES: tuple[BackendPass, ...] = (FuseRouting(), StackWeights(), InnerCompile())
 DEFAULT_PASSES: tuple[BackendPass, ...] = REWRITE_PASSES + LOWER_PASSES
 
 

@@ -2,7 +2,7 @@
 
 Both expose `mixture_of_experts` with the overloads `default`, `fused_weights` and
 `bias_fused_weights` and the same schemas; the portable op adds `stacked` and `stacked_fused_weights`,
-which take stacked weights instead of per-expert lists. Newer bridges add keyword-only arguments, so the call is
+which take stacked weights instead of per-expert lists (weight_stacks.stacked_overload). Newer bridges add keyword-only arguments, so the call is
 built from the installed overload's schema rather than from a hard-coded argument list.
 """
 
@@ -44,18 +44,6 @@ def fused_overload(target: str, overload: str):
 
         packet = torch.ops.moe_passes.mixture_of_experts
     return getattr(packet, overload)
-
-
-# The portable op's overloads that take each weight role as one stacked [E, ...] tensor (fused_op.py)
-STACKED_OVERLOADS = {"default": "stacked", "fused_weights": "stacked_fused_weights"}
-
-
-def stacked_overload(target: str, overload: str) -> str | None:
-    """The overload taking stacked weights in place of per-expert lists, where the target has one.
-
-    Only the portable op has them: the Gaudi op's schema takes lists, and its call is kept exactly.
-    """
-    return STACKED_OVERLOADS.get(overload) if target == "portable" else None
 
 
 def call_arguments(op, values: dict) -> tuple[tuple, dict]:

@@ -28,7 +28,7 @@ class Options:
     forms:   the expert forms to look for, by name (default: all of `moe_passes.FORMS`); naming a
              subset turns the others off, to bisect which finder made a rewrite.
     skip_passes: names of the backend's passes to leave out (`moe_passes.backend.DEFAULT_PASSES`; e.g.
-             ["fuse routing"], ["take stacked inputs", "restack"]).
+             ["fuse routing"], ["stack weights"]).
     custom_passes: the user's own `moe_passes.BackendPass` objects, run after the rewrite (they read
              `state.graph`) and before the rewritten graph is lowered.
     fuse_routing: the softmax → top-k → renormalise chain feeding a portable fused call becomes one

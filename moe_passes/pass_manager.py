@@ -51,6 +51,8 @@ class GraphState:
     wrap_compiled: Callable[[Callable], Callable] | None = None
     # Undo what lowering passes did outside the graph, should a later one fail (weights moved into stacks).
     undo: list[Callable[[], None]] = field(default_factory=list)
+    # What lowering passes left to do once the inner backend compiled the rewritten graph.
+    after_compile: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def graph(self) -> torch.fx.GraphModule:
@@ -159,7 +161,7 @@ class PassManager:
             record.declined.extend(Declined(f.layer, f.form, stage, record.index) for f in record.fused)
             record.fused.clear()
             record.rewritten = None
-            state.inputs, state.wrap_compiled, state.compiled, state.undo = None, None, None, []
+            state.inputs, state.wrap_compiled, state.compiled, state.undo, state.after_compile = None, None, None, [], []
         state.keep_captured(why)
         if warn:
             warnings.warn(f"hpu_moe: {why}", RuntimeWarning, stacklevel=4)

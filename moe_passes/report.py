@@ -28,8 +28,8 @@ class Fused:
     # router's router_experts (None: the router's width is unknown or equal to num_experts).
     experts_min: int = 0
     router_experts: int | None = None
-    restacked: int = 0  # per-expert weight tensors moved into stacks for the portable op (restack.py)
-    compiled_as: str | None = None  # the stacked overload the compiled graph calls instead (stacked_inputs.py)
+    restacked: int = 0  # per-expert weight tensors moved into stacks for the portable op (weight_stacks.py)
+    compiled_as: str | None = None  # the stacked overload the compiled graph calls instead (weight_stacks.py)
     routing_fused: bool = False  # its routing chain runs as one softmax_topk call (passes/routing_fusion.py)
     # Ids no op of the graph bounds: how the call checks them, e.g. "0..7, negative ids wrapped (aten.index)"
     ids_checked: str | None = None

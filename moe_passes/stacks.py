@@ -5,7 +5,7 @@ the separate tensors of a ModuleList of Linears are moved once into one allocati
 
 What a stack may hold on to: the memory, never the tensors it was found from. `stacked_view` returns a
 tensor set on the storage itself (no `_base`), so a cached stack does not keep a deleted model's
-parameters alive; the caller that caches it drops it when they die (stacked_inputs.py).
+parameters alive; the caller that caches it drops it when they die (weight_stacks.py).
 
 What saving sees: a moved tensor gets a storage of its own that aliases its slice of the stack's memory
 (`UntypedStorage` slicing), so `torch.save` of one expert writes that expert alone and safetensors sees

@@ -7,7 +7,7 @@ import operator
 import pytest
 import torch
 
-from moe_passes import lowering
+from moe_passes import weight_stacks
 from patterns import catalog, dynamo_config
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe, skip_unless_dynamo_slices_for
 
@@ -43,11 +43,11 @@ def assert_portable_overload(node: torch.fx.Node, contract: str) -> None:
     holds each weight role as one stacked tensor (per-expert lists only for separate per-expert inputs)."""
     overload = node.target._overloadname
     weights = [a for a in node.args if isinstance(a, torch.fx.Node | list | tuple)][3:]
-    if overload == lowering.stacked_overload("portable", contract):
+    if overload == weight_stacks.stacked_overload("portable", contract):
         assert all(isinstance(w, torch.fx.Node) for w in weights), node.format_node()
     else:
         assert overload == contract, (overload, contract)
-        stacked_twin = lowering.stacked_overload("portable", contract)
+        stacked_twin = weight_stacks.stacked_overload("portable", contract)
         separate = all(isinstance(w, list | tuple) and all(e.target is not operator.getitem for e in w) for w in weights)
         assert stacked_twin is None or separate, node.format_node()
 

@@ -9,10 +9,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_passes
-from moe_passes import backend_passes, stacked_inputs
-from moe_passes.stacked_inputs import InputPlan, StackedGroup
+from moe_passes import backend_passes, weight_stacks
 from moe_passes.stacks import stacked_view as _stacked_view
 from moe_passes.steps import COUNTERS
+from moe_passes.weight_stacks import InputPlan, StackedGroup
 from patterns import dynamo_config, mixtral4_sparse_loop
 
 PORTABLE_INDUCTOR = {"inner": "inductor", "target": "portable"}
@@ -141,9 +141,9 @@ def test_separate_tensors_are_stacked_per_call_and_one_stack_is_read_in_place():
 @pytest.mark.parametrize("check", ["torch's C checks", "Python addresses", "is_set_to"])
 def test_a_found_stack_is_reused_only_while_every_input_is_still_its_slice(check, monkeypatch):
     if check != "torch's C checks":
-        monkeypatch.setattr(stacked_inputs, "_pointers_equal", None)
+        monkeypatch.setattr(weight_stacks, "_pointers_equal", None)
     if check == "is_set_to":
-        monkeypatch.setattr(stacked_inputs, "_TensorGuards", None)
+        monkeypatch.setattr(weight_stacks, "_TensorGuards", None)
     stacked = list(torch.randn(4, 3, 2).unbind(0))
     group = StackedGroup((0, 1, 2, 3), (4, 3, 2), (6, 2, 1), torch.float32)
     first = group.stack(stacked)
@@ -195,12 +195,12 @@ def test_cuda_graph_replays_read_the_stacks_in_place():
 
 
 def test_a_failure_while_taking_stacks_gives_the_weights_back(monkeypatch):
-    from moe_passes import stacked_inputs
+    from moe_passes import weight_stacks
 
     def broken(*args, **kwargs):
         raise RuntimeError("rewrite broke")
 
-    monkeypatch.setattr(stacked_inputs, "_rewrite", broken)
+    monkeypatch.setattr(weight_stacks, "_rewrite", broken)
     _assert_fallback_gives_weights_back("taking the weight lists as stacked inputs failed.*rewrite broke")
 
 

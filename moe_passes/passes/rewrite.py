@@ -12,7 +12,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from .. import lowering
+from .. import lowering, weight_stacks
 from ..fx_utils import dtype, shape, val
 from .matches import ExpertsMatch, ExpertWeights, IdsCheck
 
@@ -121,7 +121,7 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         weights = _cast(emit, _as_2d(emit, match.weights, match.top_k), dtype(x))
         values = {"hidden_states": x, "expert_routing_table": ids, "router_weights": weights}
         overload = match.overload
-        stacked = lowering.stacked_overload(target, overload)
+        stacked = weight_stacks.stacked_overload(target, overload)
         if stacked is not None and all(r.stacked is not None for r in roles):
             overload, pass_weights = stacked, _weight_stack  # no per-expert views for the call to unpack
         else:

@@ -1,4 +1,21 @@
-"""The compiled graph takes a fused layer's per-expert weight lists as stacks, found on each call as views.
+"""Per-expert weights for the portable op: the compiled graph takes them as stacks, or they are moved
+into one storage, and the call becomes the overload that takes stacks. One concern, one module, one
+entry point: `stack_weights`, run once by the backend's "stack weights" pass (backend_passes.py).
+
+    stack_weights(graph, example_inputs, take_inputs) -> Stacking
+        take_inputs (inductor, eager, aot_eager): the graph takes the lists as stacked inputs
+            (`take_stacks`), and the callable handed back finds the stacks on every call
+        after the inner compile (every inner backend): lists still passed as separate tensors are
+            moved into one allocation each (`restack_weight_lists`)
+    stacked_overload(target, overload)  the overload that takes stacks (the rewrite emits it directly
+            for weights that are stacked parameters already)
+
+What a stack is in memory (finding one from its slices, making one, undoing it) is `stacks.py`, which
+the op itself reads at run time.
+
+Taking stacked inputs
+---------------------
+The compiled graph takes a fused layer's per-expert weight lists as stacks, found on each call as views.
 
 Why: a ModuleList layer hands the portable op 3 x E separate graph inputs, and each costs on every call:
 inductor's generated code asserts every input's size and stride, the call marshals three E-long lists,
@@ -17,6 +34,27 @@ Where: calls of the portable op's list overloads whose every weight list is made
 that call alone, each list either one stack already or movable into one (`restack.movable`, moved here,
 before the inner compile, which never sees those inputs). The stack inputs are marked static, as
 parameters are, so CUDA graph replays read them in place (and re-record if one ever moves).
+
+Moving lists into stacks after the compile
+------------------------------------------
+Per-expert weights held in separate allocations become slices of one stacked tensor, once per compile.
+
+Why: the portable op runs its fused kernel (or its grouped matmuls) on stacked weights. Handed the E
+separate tensors of a ModuleList of Linears, it has to loop over the experts with a host sync, and
+stacking them on every call would copy every expert's weights per step. So, when the rewrite hands
+the portable op lists of graph inputs that live in separate allocations, their data is moved once
+into one [E, ...] allocation and each tensor is pointed at its slice (`stacks.restack`): no
+memory is added once the move is done, and nothing is copied per call.
+
+Nothing can go stale, because the fused call still receives the parameters themselves and finds
+the stack through them (`stacks.stacked_view` checks, on each call, that they are consecutive
+slices): an in-place update of a parameter (`copy_`, `load_state_dict`, an optimizer step) writes
+into the stack, and a parameter later pointed elsewhere (`param.data = other`,
+`load_state_dict(assign=True)`) only makes the op take its per-expert path again, still right.
+
+Only tensors that nothing else can see into are moved: plain tensors or Parameters (no subclass),
+contiguous, each the sole user of its own storage (no view of it elsewhere would keep the old data),
+distinct, and of one shape, dtype and device.
 """
 
 from __future__ import annotations
@@ -24,16 +62,66 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
-from . import lowering
+from .fused_op import NAMESPACE
 from .fx_utils import arguments
-from .restack import LIST_ARGUMENTS, fused_list_calls
 from .stacks import movable, restack, stacked_view, unstack
+
+LIST_ARGUMENTS = ("w1", "w2", "w3", "w12")  # the weight lists of `.default` and `.fused_weights`
+LIST_OVERLOADS = ("default", "fused_weights")
+
+
+def fused_list_calls(graph: Graph) -> list[Node]:
+    """The calls of the op's list overloads (per-expert weight lists) in `graph`."""
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == NAMESPACE
+        and node.target._overloadname in LIST_OVERLOADS
+    ]
+
+
+def restack_weight_lists(graph: Graph, example_inputs) -> dict[Node, int]:
+    """Move the per-expert weight lists of the portable op's calls in `graph` into stacks, where safe.
+
+    Returns {fused call: tensors moved}. `example_inputs` are the real values of the graph's inputs,
+    in placeholder order, as dynamo hands them to the backend.
+    """
+    placeholders = graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(example_inputs):
+        return {}
+    values = dict(zip(placeholders, example_inputs, strict=True))
+    moved = {}
+    for call in fused_list_calls(graph):
+        call_args = arguments(call) or {}
+        for name in LIST_ARGUMENTS:
+            nodes = call_args.get(name)
+            if not isinstance(nodes, list | tuple) or not all(isinstance(n, Node) and n in values for n in nodes):
+                continue
+            tensors = [values[n] for n in nodes]
+            if movable(tensors):
+                restack(tensors)
+                moved[call] = moved.get(call, 0) + len(tensors)
+    return moved
+
+
+# The portable op's overloads that take each weight role as one stacked [E, ...] tensor (fused_op.py)
+STACKED_OVERLOADS = {"default": "stacked", "fused_weights": "stacked_fused_weights"}
+
+
+def stacked_overload(target: str, overload: str) -> str | None:
+    """The overload taking stacked weights in place of per-expert lists, where the target has one.
+
+    Only the portable op has them: the Gaudi op's schema takes lists, and its call is kept exactly.
+    """
+    return STACKED_OVERLOADS.get(overload) if target == "portable" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +285,7 @@ def find_list_calls(gm: GraphModule, example_inputs: Sequence) -> list[ListCall]
     found = []
     for call in fused_list_calls(gm.graph):
         values = arguments(call)
-        if values is None or lowering.stacked_overload("portable", call.target._overloadname) is None:
+        if values is None or stacked_overload("portable", call.target._overloadname) is None:
             continue
         lists = {}
         for name in LIST_ARGUMENTS:
@@ -265,7 +353,7 @@ def _prepare(item: ListCall, example_inputs: Sequence, fake_mode) -> _Prepared:
     for name, positions in item.lists.items():
         stack = stacked_view([example_inputs[i] for i in positions])
         stacks[name] = (stack, fake_mode.from_tensor(stack, static_shapes=True))
-    stacked = lowering.stacked_overload("portable", item.call.target._overloadname)
+    stacked = stacked_overload("portable", item.call.target._overloadname)
     return _Prepared(item, getattr(item.call.target.overloadpacket, stacked), stacks)
 
 
@@ -317,3 +405,45 @@ def with_stacked_inputs(compiled, plan: InputPlan):
         return compiled(*plan.inner_inputs(args))
 
     return run
+
+
+@dataclasses.dataclass
+class Stacking:
+    """What `stack_weights` did to one rewritten graph, and what is left to do after its compile."""
+
+    graph: GraphModule
+    inputs: Sequence  # the inner graph's example inputs
+    taken: Taken | None = None
+    moved_after_compile: dict[Node, int] = dataclasses.field(default_factory=dict)
+
+    def moved(self) -> dict[Node, int]:
+        """{fused call (as the report names it): tensors moved into stacks}, taken or restacked."""
+        moved = {call: len(tensors) for call, tensors in (self.taken.moved if self.taken else {}).items()}
+        for call, count in self.moved_after_compile.items():
+            moved[call] = moved.get(call, 0) + count
+        return moved
+
+    def replaced(self) -> dict[Node, Node]:
+        return self.taken.replaced if self.taken else {}
+
+    def wrap(self, compiled: Callable) -> Callable:
+        """The callable for dynamo: finds the stacks in the caller's inputs when the graph takes them."""
+        return compiled if self.taken is None else with_stacked_inputs(compiled, self.taken.plan)
+
+    def after_compile(self) -> None:
+        """Move the lists still passed as separate tensors into stacks. After the inner compile: the
+        compilers read the inputs' layouts (storage offsets included) as dynamo recorded them, and the
+        move changes only where the data lives, not shapes or values."""
+        self.moved_after_compile = restack_weight_lists(self.graph.graph, self.inputs)
+
+    def undo(self) -> None:
+        """Give the tensors this compile moved their own allocations again (a later step failed)."""
+        if self.taken is not None:
+            unstack([t for tensors in self.taken.moved.values() for t in tensors])
+
+
+def stack_weights(graph: GraphModule, example_inputs: Sequence, take_inputs: bool) -> Stacking:
+    """Stack the portable calls' per-expert weight lists in `graph` (rewritten in place where the graph
+    takes them as inputs). `take_inputs`: the inner backend compiles any graph of aten ops."""
+    taken = take_stacks(graph, example_inputs, find_list_calls(graph, example_inputs)) if take_inputs else None
+    return Stacking(graph, taken.inputs if taken is not None else example_inputs, taken)
