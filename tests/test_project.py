@@ -49,3 +49,15 @@ def test_development_commands_take_the_cpu_wheel_through_the_constraints_file():
 def test_patterns_and_tools_are_not_installed_as_top_level_packages():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'include = ["moe_passes", "moe_passes.*"]' in text
+
+
+def test_the_options_page_is_generated_from_the_options_docstring():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "tools/docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr + "\nrun: python tools/docs.py"
+
+
+def test_the_readme_is_a_front_page():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
