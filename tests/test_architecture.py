@@ -144,3 +144,39 @@ def test_backend_functions_are_at_most_40_lines_and_the_forms_are_not_listed_by_
     finders = {path.stem for path in (PACKAGE / "passes").glob("experts_*.py")}
     assert len(moe_passes.FORMS) == len(finders)
 
+
+
+# The isinstance tests on str or tuple that the passes may keep, by (file, what they test): data that
+# comes in either type, never a reader's answer. Readers answer with `matches.NoMatch`.
+TYPE_CHECKS_OF_DATA = {
+    ("axes.py", "label"),  # an einsum dim's label: one name, or a tuple of names for a merged dim
+    ("expert_ids.py", "dim"),  # an indexing op's dim: an int, or the name of the argument holding it
+}
+
+
+def _class_names(classinfo: ast.expr) -> set[str]:
+    """The type names an isinstance classinfo names: X, (X, Y), X | Y."""
+    if isinstance(classinfo, ast.Tuple):
+        return set().union(*map(_class_names, classinfo.elts))
+    if isinstance(classinfo, ast.BinOp) and isinstance(classinfo.op, ast.BitOr):
+        return _class_names(classinfo.left) | _class_names(classinfo.right)
+    if isinstance(classinfo, ast.Name | ast.Attribute):
+        return {classinfo.id if isinstance(classinfo, ast.Name) else classinfo.attr}
+    return set()
+
+
+def test_readers_say_no_with_one_type_not_with_str_or_tuple_results():
+    """A reader returns what it read or a `NoMatch`; `isinstance(x, str)` / `isinstance(x, tuple)` is how
+    the old readers said "no" (a reason string, or a (reason, node) tuple). `list | tuple` is a
+    sequence test on an FX argument, not a result test, and is left alone."""
+    found = []
+    for path in sorted((PACKAGE / "passes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"):
+                continue
+            names = _class_names(node.args[1]) if len(node.args) == 2 else set()
+            if names & {"str", "tuple"} and "list" not in names:
+                tested = ast.unparse(node.args[0])
+                if (path.name, tested) not in TYPE_CHECKS_OF_DATA:
+                    found.append(f"{path.name}:{node.lineno} isinstance({tested}, {ast.unparse(node.args[1])})")
+    assert not found, found

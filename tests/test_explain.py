@@ -121,7 +121,8 @@ def test_report_keeps_graphs_timings_and_verified_error_and_round_trips_through_
     (graph,) = report.graphs
     assert graph.compile_id == "0/0" and "mixture_of_experts" in graph.rewritten
     assert "mixture_of_experts" not in graph.captured
-    assert set(report.pass_seconds) == {"canonicalize", "find", "rewrite", "verify", "inner compile"}
+    assert set(report.pass_seconds) == {"canonicalize", "find", "rewrite", "verify", "fuse routing", "stack weights",
+                                        "inner compile"}
     assert all(f.max_error is not None and f.max_error < 1e-4 for f in report.fused)
     assert Report.from_dict(json.loads(report.to_json())) == report
     with pytest.raises(ValueError, match="not a moe_passes report"):

@@ -29,7 +29,7 @@ from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .finder import Finder, each_anchor
 from .gemm_tail import StackedLinear, expert_weights, read_gated_tail, stack_count
-from .matches import Decline, ExpertsMatch
+from .matches import IDS_WEIGHTS_SHAPES, UNSCALED_OUTPUTS, Decline, ExpertsMatch, NoMatch
 from .sentinels import through_id_clamp, through_weight_mask
 from .slots import SLOTS, SlotAlgebra
 
@@ -67,21 +67,21 @@ def _batched_linear(output: Node) -> StackedLinear | None:
     return StackedLinear(node, rows, gathered[0], out_in, gathered[1], bias, bias_ids)
 
 
-def _read_down(out: Node) -> tuple:
+def _read_down(out: Node) -> tuple[int, StackedLinear, Node] | NoMatch:
     """(k, the batched down projection, the slot weights) of `(bmm(W_down[ids], h) [+ b] * w).view(T, k,
-    H).sum(1)`, else (why not, where)."""
+    H).sum(1)`, else why not."""
     view = out.args[0]
     if list(out.args[1]) not in ([1], [-2]) or len(shape(view)) != 3:
-        return "the k-slot reduction is not a sum over dim 1 of a [T, k, H] view", None
+        return NoMatch("the k-slot reduction is not a sum over dim 1 of a [T, k, H] view")
     top_k = const_int(shape(view)[1])
     weighted = strip_shape_ops(view)
     if not is_call(weighted, aten.mul.Tensor):
-        return "routing weights do not scale the expert outputs", weighted
+        return NoMatch(UNSCALED_OUTPUTS, weighted)
     for a, b in ((weighted.args[0], weighted.args[1]), (weighted.args[1], weighted.args[0])):
         down = _batched_linear(a) if isinstance(a, Node) and isinstance(b, Node) else None
         if down is not None:
             return top_k, down, b
-    return "routing weights do not multiply the output of a batched down projection", weighted
+    return NoMatch("routing weights do not multiply the output of a batched down projection", weighted)
 
 
 def match_at(out: Node) -> ExpertsMatch | Decline:
@@ -89,30 +89,30 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         return Decline(FORM, reason, out, at)
 
     read = _read_down(out)
-    if isinstance(read[0], str):
-        return no(*read)
+    if isinstance(read, NoMatch):
+        return read.decline(FORM, out)
     top_k, down, slot_weights = read
     tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-slot gathered weights")
-    if isinstance(tail, tuple):
-        return no(*tail)
+    if isinstance(tail, NoMatch):
+        return tail.decline(FORM, out)
     same_ids = {strip_shape_ops(n) for n in (tail.up.bias_ids, down.chosen_by, down.bias_ids)}
     if tail.gate.swiglu is not None and len(same_ids) != 1:
         return no("expert biases are gathered with other ids than the weights", tail.up.bias_ids)
     stacks = expert_weights(tail, None)
-    if isinstance(stacks, str):
-        return no(stacks, down.stack)
+    if isinstance(stacks, NoMatch):
+        return stacks.decline(FORM, out, down.stack)
     num_experts = stack_count(tail)
     unclamped_ids, ids_clamped = through_id_clamp(down.chosen_by, num_experts)
     slot_weights, sentinels_dropped = through_weight_mask(slot_weights, unclamped_ids, num_experts)
     ids = slot_table(unclamped_ids, top_k)
     weights = slot_table(slot_weights, top_k, through_casts=True)
     if ids is None:
-        return no("routing ids and weights are not [T, k] tensors of the same shape", down.chosen_by)
+        return no(IDS_WEIGHTS_SHAPES, down.chosen_by)
     rows_read = SlotAlgebra(ids, top_k).hidden_rows(tail.rows)
     if rows_read is None or (rows_read.domain, rows_read.slot) != (SLOTS, ()):
         return no("the batched rows are not the tokens repeated k times (repeat_interleave)", tail.rows)
     if weights is None or shape(weights) != shape(ids):
-        return no("routing ids and weights are not [T, k] tensors of the same shape", down.chosen_by)
+        return no(IDS_WEIGHTS_SHAPES, down.chosen_by)
     return ExpertsMatch(
         form=FORM,
         output=through_trailing_cast(out),

@@ -24,7 +24,15 @@ from . import probe
 from .biases import bias_fields
 from .experts_dense_loop import is_zero_init
 from .finder import Finder, each_anchor
-from .matches import Decline, ExpertsMatch, ExpertWeights
+from .matches import (
+    BIASES_NEED_SWIGLU,
+    IDS_WEIGHTS_SHAPES,
+    Decline,
+    ExpertsMatch,
+    ExpertWeights,
+    NoMatch,
+    unprobeable,
+)
 from .mlp import stacked_gate, stacked_weight
 
 aten = torch.ops.aten
@@ -137,23 +145,24 @@ def _routing_table(coefficient: Node) -> Node | None:
     return tables[0] if len(tables) == 1 and len(scatters) == 1 else None
 
 
-def _scales_columns(coefficient: Node, operand: Node, table: Node, experts: int) -> str | None:
-    """None when (operand * coefficient)[e] scales token t by table[t, e] for every probe table."""
-    tokens = probe._concrete(shape(table)[0])
-    out_shape = tuple(int(probe._concrete(d)) for d in shape(operand))
+def _scales_columns(coefficient: Node, operand: Node, table: Node, experts: int) -> NoMatch | None:
+    """None when (operand * coefficient)[e] scales token t by table[t, e] for every probe table; else
+    why not (stopped at the coefficient)."""
+    tokens = probe.concrete(shape(table)[0])
+    out_shape = tuple(int(probe.concrete(d)) for d in shape(operand))
     nodes = probe.slice_between(coefficient, {table})
     try:
         for columns in probe.column_probes(int(tokens), experts, strip_casts(table).meta["val"].dtype):
             value = probe.evaluate(nodes, {table: columns})[coefficient]
             full = value.expand(torch.broadcast_shapes(value.shape, out_shape)).reshape(experts, tokens, -1)
             if full.shape != (experts, tokens, full.shape[-1]) or not bool((full == full[..., :1]).all()):
-                return "the routing weight is not one value per expert and token"
+                return NoMatch("the routing weight is not one value per expert and token", coefficient)
             if not torch.equal(full[..., 0].to(columns.dtype), columns.T):
-                return "expert e's output is not scaled by column e of the routing table"
+                return NoMatch("expert e's output is not scaled by column e of the routing table", coefficient)
     except probe.NotProbeable as why:
-        return f"the per-expert routing weight is computed with ops the finder cannot check ({why})"
+        return NoMatch(unprobeable("the per-expert routing weight", why), coefficient)
     except RuntimeError:
-        return "the routing weight does not broadcast against the experts' outputs"
+        return NoMatch("the routing weight does not broadcast against the experts' outputs", coefficient)
     return None
 
 
@@ -169,13 +178,13 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
 
     down_mm, down_bias = _with_bias(expert_out)
     gate = stacked_gate(down_mm.args[0])
-    if isinstance(gate, str):
-        return no(gate, down_mm.args[0])
+    if isinstance(gate, NoMatch):
+        return gate.decline(FORM, out)
     gate_up_mm, up_bias = _with_bias(strip_shape_ops(gate.gate_up_output))
     if not is_call(gate_up_mm, aten.bmm.default):
         return no("gate/up is not a batched matmul", gate_up_mm)
     if (up_bias is None) != (gate.swiglu is None) or (down_bias is None) != (gate.swiglu is None):
-        return no("expert biases come only with GPT-OSS's clamped swiglu in the fused kernel", gate_up_mm)
+        return no(BIASES_NEED_SWIGLU, gate_up_mm)
     gate_up, gate_up_out_in = stacked_weight(gate_up_mm.args[1])
     down, down_out_in = stacked_weight(down_mm.args[1])
     experts = const_int(shape(gate_up)[0]) if len(shape(gate_up) or ()) == 3 else None
@@ -193,12 +202,12 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         return no("the expert outputs are not weighted by a [T, E] table scattered from top-k", coefficient)
     ids, weights = strip_shape_ops(table.args[2]), strip_shape_ops(table.args[3])
     if not isinstance(weights, Node) or shape(ids) != shape(weights) or len(shape(ids)) != 2:
-        return no("routing ids and weights are not [T, k] tensors of the same shape", table)
+        return no(IDS_WEIGHTS_SHAPES, table)
     if const_int(shape(table)[1]) != experts or const_int(shape(table)[0]) != const_int(shape(hidden)[0]):
         return no("the routing table is not [tokens, experts held]", table)
-    reason = _scales_columns(coefficient, operand, table, experts)
-    if reason is not None:
-        return no(reason, coefficient)
+    unscaled = _scales_columns(coefficient, operand, table, experts)
+    if unscaled is not None:
+        return unscaled.decline(FORM, out)
     return ExpertsMatch(
         form=FORM,
         output=out,

@@ -23,7 +23,16 @@ from ..fx_utils import const_int, dtype, is_call, is_cast, shape, through_traili
 from . import probe
 from .axes import VIEW_OPS, contraction, frontier, top_of_views
 from .finder import Finder, each_anchor
-from .matches import Decline, ExpertsMatch, ExpertWeights
+from .matches import (
+    EMPTY_BATCH,
+    GATE_UP_ROWS_DIFFER,
+    Decline,
+    ExpertsMatch,
+    ExpertWeights,
+    NoMatch,
+    unprobeable,
+    unsupported_activation,
+)
 from .mlp import activation_of, gated_product, halves
 from .slots import same_size
 
@@ -116,15 +125,16 @@ def _views_a_weight(node: Node, experts: int) -> bool:
     return len(dims) == 3 and const_int(dims[0]) == experts
 
 
-def _up_projection(node: Node, sizes: dict, width: object) -> tuple[Node, Node, bool] | str:
-    """(x, weight, out_in) for node[e, t, i] = sum_h x[t, h] * W[e, i, h] (i of size `width`)."""
+def _up_projection(node: Node, sizes: dict, width: object) -> tuple[Node, Node, bool] | NoMatch:
+    """(x, weight, out_in) for node[e, t, i] = sum_h x[t, h] * W[e, i, h] (i of size `width`); else why
+    not (stopped at `node`)."""
     def rows_or_expanded(n: Node) -> bool:
         dims = shape(n) or ()
         return (len(dims) == 2 and not _views_a_weight(n, sizes["e"])) or is_call(n, aten.expand.default, aten.repeat.default)
 
     leaves = frontier(node, stop=rows_or_expanded, products=True)  # a size-1 contraction is a mul
     if leaves is None or len(leaves) != 2:
-        return "gate/up is not an einsum of the tokens and stacked expert weights"
+        return NoMatch("gate/up is not an einsum of the tokens and stacked expert weights", node)
     for rows, weight in (leaves, leaves[::-1]):
         if len(shape(weight) or ()) != 3 or not val(weight).is_floating_point():
             continue
@@ -136,7 +146,7 @@ def _up_projection(node: Node, sizes: dict, width: object) -> tuple[Node, Node, 
         out_in = _projection(node, {rows: labels}, weight, "h", "i", read_sizes)
         if out_in is not None:
             return x, weight, out_in
-    return "gate/up is not x @ W[e]^T for every expert and token"
+    return NoMatch("gate/up is not x @ W[e]^T for every expert and token", node)
 
 
 def _expert_weights(node: Node, out_in: bool) -> ExpertWeights:
@@ -146,25 +156,26 @@ def _expert_weights(node: Node, out_in: bool) -> ExpertWeights:
     return ExpertWeights(stacked=node, out_in=out_in)
 
 
-def _table_routing(table: Node, experts: int) -> tuple[Node, Node] | str:
-    """(ids, weights) when column e of `table` is expert e's routing weight (zero where not chosen)."""
+def _table_routing(table: Node, experts: int) -> tuple[Node, Node] | NoMatch:
+    """(ids, weights) when column e of `table` is expert e's routing weight (zero where not chosen); else
+    why not (stopped at `table`)."""
     sources, nodes = probe.table_sources(table)
     routing = probe.ids_and_weights(sources)
     if routing is None or shape(routing[0]) != shape(routing[1]):
-        return "the routing table is not built from one [T, k] ids tensor and one weights tensor"
+        return NoMatch("the routing table is not built from one [T, k] ids tensor and one weights tensor", table)
     ids, weights = routing
     if len(shape(ids)) != 2 or const_int(shape(ids)[1]) is None or const_int(shape(ids)[1]) > experts:
-        return "routing ids are not [T, k] with k at most the number of experts"
-    tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
+        return NoMatch("routing ids are not [T, k] with k at most the number of experts", table)
+    tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
     if tokens == 0:
-        return "the batch is empty at compile time, so which expert takes which weight cannot be checked"
+        return NoMatch(EMPTY_BATCH, table)
     try:
         for i, w in probe.routing_probes(tokens, top_k, experts, dtype(weights)):
             value = probe.evaluate(nodes, {ids: i.to(dtype(ids)), weights: w})[table]
             if value.shape != (tokens, experts) or not torch.equal(value, probe.padded_columns(i, w, experts).to(value.dtype)):
-                return "column e of the routing table is not expert e's routing weight"
+                return NoMatch("column e of the routing table is not expert e's routing weight", table)
     except probe.NotProbeable as why:
-        return f"the routing table is computed with ops the finder cannot check ({why})"
+        return NoMatch(unprobeable("the routing table", why), table)
     return ids, weights
 
 
@@ -191,25 +202,24 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     gated = gated_product(product)
     activation, described = activation_of(gated.activation_node)
     if activation is None:
-        return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)",
-                  gated.activation_node)
+        return no(unsupported_activation(described), gated.activation_node)
     split = halves(gated.gate, gated.up)  # gate and up as the two halves of one [E, T, 2I] projection
     projected = (("gate_up", split[0]),) if split is not None else (("gate", gated.gate), ("up", gated.up))
     roles = {}
     for name, node in projected:
         read = _up_projection(node, sizes, sizes["i"] * (2 if split is not None else 1))
-        if isinstance(read, str):
-            return no(read, node)
+        if isinstance(read, NoMatch):
+            return read.decline(FORM, out)
         roles[name] = read
     hidden = roles[projected[0][0]][0]
     if any(x is not hidden or out_in != roles[projected[0][0]][2] for x, _, out_in in roles.values()):
-        return no("gate and up read different rows", gated.up)
+        return no(GATE_UP_ROWS_DIFFER, gated.up)
     if not same_size(shape(hidden)[0], shape(table)[0]) or any(
             const_int(shape(w)[0]) != experts for _, w, _ in roles.values()):
         return no("the experts' weights or the table hold another number of experts or tokens", table)
     routing = _table_routing(table, experts)
-    if isinstance(routing, str):
-        return no(routing, table)
+    if isinstance(routing, NoMatch):
+        return routing.decline(FORM, out)
     ids, weights = routing
     return ExpertsMatch(
         form=FORM,

@@ -27,7 +27,17 @@ from ..fx_utils import (
 )
 from . import probe
 from .finder import Candidate, Finder
-from .matches import Decline, ExpertsMatch, ExpertWeights
+from .matches import (
+    EMPTY_BATCH,
+    IDS_WEIGHTS_SHAPES,
+    MIXED_GATE_UP,
+    Decline,
+    ExpertsMatch,
+    ExpertWeights,
+    NoMatch,
+    unprobeable,
+    unsupported_activation,
+)
 from .mlp import (
     ClampedSwiglu,
     Projection,
@@ -41,9 +51,8 @@ from .mlp import (
 
 aten = torch.ops.aten
 FORM = "dense_loop"
-NOT_ONE_IDS_AND_WEIGHTS = "the per-expert routing weights do not derive from one ids tensor and one weights tensor"
-# A graph compiled for zero tokens gives the probes nothing to check the routing on (and has no work).
-EMPTY_BATCH = "the batch is empty at compile time, so which expert takes which weight cannot be checked"
+NOT_ONE_IDS_AND_WEIGHTS = NoMatch("the per-expert routing weights do not derive from one ids tensor and one weights tensor")
+NOT_SCATTERED = "the per-expert weights are not scattered into a zero [T, E] table"
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ def _read_swiglu_mlp(node: Node) -> dict | None:
     fused = projection(gate_up_out)
     if fused is None or (gate_up_bias is None) != (down_bias is None):
         return None
-    desc = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
+    desc = swiglu.description
     return dict(
         hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=desc, desc=desc,
         swiglu=swiglu, gate_up_bias=gate_up_bias, down_bias=down_bias,
@@ -281,16 +290,16 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
 
     uniform = _uniform_terms(terms)
     if uniform is not None:
-        return no(*uniform)
+        return uniform.decline(form, root)
     hidden = {t.hidden for t in terms}
     if len(hidden) != 1:
         return no("experts do not all read the same hidden states")
     if len({t.gate_up is not None for t in terms}) != 1:
-        return no("experts mix fused gate/up and separate gate and up projections")
+        return no(MIXED_GATE_UP)
 
     assignment = _expert_ids(terms)
-    if isinstance(assignment, str):
-        return no(assignment)
+    if isinstance(assignment, NoMatch):
+        return assignment.decline(form, root)
     ids, weights, order, first_expert = assignment
     ordered = [terms[i] for i in order]
 
@@ -308,9 +317,9 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
             limit=swiglu.limit,
         )
     bias_roles = (biases.get("gate_up_bias"), biases.get("down_bias"))
-    roles = [r for r in (gate_up, gate, up, down, *bias_roles) if r is not None]
-    if any(isinstance(r, str) for r in roles):
-        return no(next(r for r in roles if isinstance(r, str)))
+    unread = first_no_match(gate_up, gate, up, down, *bias_roles)
+    if unread is not None:
+        return unread.decline(form, root)
     return ExpertsMatch(
         form=form,
         output=root,
@@ -329,54 +338,57 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str = FORM) -> Expert
     )
 
 
-def _uniform_terms(terms: list[ExpertTerm]) -> tuple[str, Node | None] | None:
-    """(why not, where) unless every term is routing-weighted on its output with one supported activation."""
+def _uniform_terms(terms: list[ExpertTerm]) -> NoMatch | None:
+    """Why not, unless every term is routing-weighted on its output with one supported activation."""
     if any(t.coefficient is None for t in terms):
         scaled = [t for t in terms if t.input_scaled_by is not None]
         if scaled:
-            return (
+            return NoMatch(
                 "routing weights scale each expert's input, not its output; the fused kernel weights "
                 "outputs, and with a non-linear MLP the two are not equal",
                 scaled[0].hidden,  # the product of the input and the routing weight
             )
         unweighted = next(t for t in terms if t.coefficient is None)
-        return "some experts' outputs are summed without a routing weight", unweighted.term
+        return NoMatch("some experts' outputs are summed without a routing weight", unweighted.term)
     activations = {t.activation_desc for t in terms}
     if len(activations) > 1:
         odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
-        return (
+        return NoMatch(
             f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one",
             _activation_node(odd),
         )
     if terms[0].activation is None:
-        return (
-            f"activation {terms[0].activation_desc} is not supported by the fused kernel (silu, gelu(tanh), relu)",
-            _activation_node(terms[0]),
-        )
+        return NoMatch(unsupported_activation(terms[0].activation_desc), _activation_node(terms[0]))
     return None
 
 
-def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | str | None:
-    """One weight role of every expert: a projection's weight, or a 1-D bias node."""
+def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | NoMatch | None:
+    """One weight role of every expert: a projection's weight, or a 1-D bias node (None: no expert has
+    the role); else why not."""
     projections = [getattr(t, name) for t in terms]
     if projections[0] is None:
         return None
     if any(p is None for p in projections):
-        return f"some experts have no {name}"
+        return NoMatch(f"some experts have no {name}")
     if isinstance(projections[0], Node):  # biases: no layout
         weights, out_in = projections, True
     elif len({p.out_in for p in projections}) != 1:
-        return f"the {name} weights of the experts are laid out differently"
+        return NoMatch(f"the {name} weights of the experts are laid out differently")
     else:
         weights, out_in = [p.weight for p in projections], projections[0].out_in
     shapes = {shape(w) for w in weights}
     dtypes = {dtype(w) for w in weights}
     if len(shapes) != 1 or len(dtypes) != 1:
-        return f"the {name} weights of the experts differ in shape or dtype"
+        return NoMatch(f"the {name} weights of the experts differ in shape or dtype")
     stacked = _stacked_source(weights)
     if stacked is not None:  # w[e] for e = 0..E-1 of one stacked parameter: pass the stack itself
         return ExpertWeights(stacked=stacked, out_in=out_in)
     return ExpertWeights(per_expert=tuple(weights), out_in=out_in)
+
+
+def first_no_match(*roles: ExpertWeights | NoMatch | None) -> NoMatch | None:
+    """The first role `role_weights` could not read, if any."""
+    return next((r for r in roles if isinstance(r, NoMatch)), None)
 
 
 def _stacked_source(weights: list[Node]) -> Node | None:
@@ -425,9 +437,9 @@ def _frontier(terms: list[ExpertTerm], through_tables: bool = False) -> tuple[se
 
 
 def _expert_ids(terms: list[ExpertTerm]):
-    """(ids, weights, order, first) with order[i] = index of the term of expert first + i; or a reason."""
+    """(ids, weights, order, first) with order[i] = index of the term of expert first + i; else why not."""
     assignment = _expert_ids_from(*_frontier(terms), terms)
-    if assignment == NOT_ONE_IDS_AND_WEIGHTS:  # a dense table built from the ids: check it from them
+    if assignment is NOT_ONE_IDS_AND_WEIGHTS:  # a dense table built from the ids: check it from them
         assignment = _expert_ids_from(*_frontier(terms, through_tables=True), terms)
     return assignment
 
@@ -445,7 +457,7 @@ def _expert_ids_from(frontier: set[Node], slices: list[list[Node]], terms: list[
                 return _assign_from_routing({ids, strip_shape_ops(scatter.args[3])}, terms, slices, table)
         return _assign_from_routing(tensors, terms, slices)
     except probe.NotProbeable as why:
-        return f"the per-expert routing weight is computed with ops the finder cannot check ({why})"
+        return NoMatch(unprobeable("the per-expert routing weight", why))
 
 
 def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torch.Tensor | None:
@@ -466,9 +478,9 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     Dense terms scale the output for all T tokens. Sparse terms scale the rows they gathered and add
     them back at those rows, so a token's weight is the sum of its rows' coefficients.
     """
-    width = probe._concrete(term.mlp_out.meta["val"].shape[-1])
+    width = probe.concrete(term.mlp_out.meta["val"].shape[-1])
     if term.rows is None:
-        out_shape = tuple(int(d) for d in probe._concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
+        out_shape = tuple(int(d) for d in probe.concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
         return _token_axis_values(env[term.coefficient], out_shape, tokens)
     rows = env[term.rows]
     if rows.dim() != 1 or rows.dtype.is_floating_point or bool(((rows < 0) | (rows >= tokens)).any()):
@@ -482,7 +494,7 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
 
 
 def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, terms):
-    """(order, first expert) of the terms, or a reason; the loop may hold a contiguous range of the
+    """(order, first expert) of the terms, else why not; the loop may hold a contiguous range of the
     router's experts (expert parallelism: this rank's experts; the others contribute zero here)."""
     order: dict[int, int] = {}
     for index, term in enumerate(terms):
@@ -490,34 +502,34 @@ def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, ter
         for columns, env in zip(columns_per_probe, envs_per_term[index], strict=True):
             per_token = _per_token_weight(term, env, tokens)
             if per_token is None:
-                return "an expert's routing weight is not one value per token"
+                return NoMatch("an expert's routing weight is not one value per token")
             hits = {e for e in range(num_columns) if torch.equal(per_token.to(columns.dtype), columns[:, e])}
             matches = hits if matches is None else matches & hits
         if not matches or len(matches) != 1:
-            return "an expert's routing weight is not the routing weight of one expert"
+            return NoMatch("an expert's routing weight is not the routing weight of one expert")
         expert = matches.pop()
         if expert in order:
-            return f"two experts in the loop take the routing weight of expert {expert}"
+            return NoMatch(f"two experts in the loop take the routing weight of expert {expert}")
         order[expert] = index
     first = min(order)
     if sorted(order) != list(range(first, first + len(terms))):
-        return "the loop's experts are not a contiguous range of the routing's experts"
+        return NoMatch("the loop's experts are not a contiguous range of the routing's experts")
     return [order[e] for e in range(first, first + len(terms))], first
 
 
 def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     base, dim, ids, weights = scatter.args[:4]
     if not is_zero_init(base) or dim not in (-1, 1) or len(shape(base)) != 2:
-        return "the per-expert weights are not scattered into a zero [T, E] table"
-    tokens, width = (int(probe._concrete(d)) for d in shape(base))
+        return NoMatch(NOT_SCATTERED)
+    tokens, width = (int(probe.concrete(d)) for d in shape(base))
     if tokens == 0:
-        return EMPTY_BATCH
+        return NoMatch(EMPTY_BATCH)
     if not isinstance(weights, Node) or shape(ids) != shape(weights):
-        return "routing ids and weights differ in shape"
+        return NoMatch("routing ids and weights differ in shape")
     columns = probe.column_probes(tokens, width, dtype(padded))
     envs = [[probe.evaluate(nodes, {padded: table}) for table in columns] for nodes in slices]
     order = _assign(columns, envs, tokens, width, terms)
-    return order if isinstance(order, str) else (strip_shape_ops(ids), strip_shape_ops(weights), *order)
+    return order if isinstance(order, NoMatch) else (strip_shape_ops(ids), strip_shape_ops(weights), *order)
 
 
 def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None = None):
@@ -528,18 +540,18 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
         return NOT_ONE_IDS_AND_WEIGHTS
     ids, weights = routing
     if shape(ids) != shape(weights) or len(shape(ids)) != 2:
-        return "routing ids and weights are not [T, k] tensors of the same shape"
-    tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
+        return NoMatch(IDS_WEIGHTS_SHAPES)
+    tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
     if tokens == 0:
-        return EMPTY_BATCH
+        return NoMatch(EMPTY_BATCH)
     width = max(len(terms), _routing_width(ids) or 0)
     if top_k > width:
-        return "top-k is larger than the number of experts"
+        return NoMatch("top-k is larger than the number of experts")
     if table is not None:
         scatter = strip_casts(table)
         if not is_zero_init(scatter.args[0]) or scatter.args[1] not in (-1, 1) or len(shape(table)) != 2:
-            return "the per-expert weights are not scattered into a zero [T, E] table"
-        width = int(probe._concrete(shape(table)[1]))
+            return NoMatch(NOT_SCATTERED)
+        width = int(probe.concrete(shape(table)[1]))
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
     columns = [probe.padded_columns(i, w, width) for i, w in probes]
 
@@ -554,7 +566,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
         for nodes in slices
     ]
     order = _assign(columns, envs, tokens, width, terms)
-    return order if isinstance(order, str) else (ids, weights, *order)
+    return order if isinstance(order, NoMatch) else (ids, weights, *order)
 
 
 def _routing_width(ids: Node) -> int | None:

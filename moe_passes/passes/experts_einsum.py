@@ -18,7 +18,16 @@ from torch.fx import Node
 from ..fx_utils import const_int, is_call, is_getitem, shape, strip_casts, through_trailing_cast, val
 from .axes import contraction, frontier, top_of_views
 from .finder import Finder, each_anchor
-from .matches import Decline, ExpertsMatch, ExpertWeights
+from .matches import (
+    GATE_UP_ROWS_DIFFER,
+    NOT_GATED,
+    STACK_COUNTS_DIFFER,
+    Decline,
+    ExpertsMatch,
+    ExpertWeights,
+    NoMatch,
+    unsupported_activation,
+)
 from .mlp import activation_of, gated_product
 from .slots import same_size
 
@@ -73,18 +82,17 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
         return no("the combine is not sum_a weights[t, a] * (h[t, a] @ W_down[ids[t, a]])", out)
     product = gated_product(hidden_act)
     if product is None:
-        return no("the down projection input is not act(gate) * up (the kernel needs gated experts)", hidden_act)
+        return no(NOT_GATED, hidden_act)
     activation, described = activation_of(product.activation_node)
     if activation is None:
-        return no(f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)",
-                  product.activation_node)
+        return no(unsupported_activation(described), product.activation_node)
     roles = _gate_and_up(product, ids)
-    if isinstance(roles, str):
-        return no(roles, hidden_act)
+    if isinstance(roles, NoMatch):
+        return roles.decline(FORM, out, hidden_act)
     hidden, gate_up_roles = roles
     stacked = [r.stacked for r in gate_up_roles.values()] + [down_w]
     if len({const_int(shape(w)[0]) for w in stacked}) != 1:
-        return no("gate/up and down stacks hold different numbers of experts", down_w)
+        return no(STACK_COUNTS_DIFFER, down_w)
     return ExpertsMatch(
         form=FORM,
         output=through_trailing_cast(out),
@@ -122,8 +130,12 @@ def _projection(
     return None
 
 
-def _gate_and_up(product, ids: Node) -> tuple[Node, dict] | str:
-    """(x, {"gate": .., "up": ..} or {"gate_up": ..}) for gate and up projections of x by gathered weights."""
+NOT_GATHERED_EINSUM = "gate/up is not an einsum of the tokens and gathered expert weights"
+
+
+def _gate_and_up(product, ids: Node) -> tuple[Node, dict] | NoMatch:
+    """(x, {"gate": .., "up": ..} or {"gate_up": ..}) for gate and up projections of x by gathered weights;
+    else why not (where: the caller's gated product)."""
     found = {}
     tokens = shape(ids)[0]
 
@@ -134,22 +146,22 @@ def _gate_and_up(product, ids: Node) -> tuple[Node, dict] | str:
     for name, node in (("gate", product.gate), ("up", product.up)):
         leaves = frontier(node, token_rows)
         if leaves is None or len(leaves) != 2:
-            return "gate/up is not an einsum of the tokens and gathered expert weights"
+            return NoMatch(NOT_GATHERED_EINSUM)
         weight = next((leaf for leaf in leaves if _weight_source(leaf, ids) is not None), None)
         hidden = next((leaf for leaf in leaves if leaf is not weight), None)
         if weight is None or len(shape(hidden) or ()) != 2:
-            return "gate/up is not an einsum of the tokens and gathered expert weights"
+            return NoMatch(NOT_GATHERED_EINSUM)
         out_in = _projection(node, {hidden: ("t", "h")}, weight, "h", "o")
         if out_in is None:
-            return "gate/up is not x @ W[ids]^T for every slot"
+            return NoMatch("gate/up is not x @ W[ids]^T for every slot")
         found[name] = (hidden, weight, out_in)
     if found["gate"][0] is not found["up"][0] or found["gate"][2] != found["up"][2]:
-        return "gate and up read different rows"
+        return NoMatch(GATE_UP_ROWS_DIFFER)
     hidden, out_in = found["gate"][0], found["gate"][2]
     sources = [_weight_source(found[name][1], ids) for name in ("gate", "up")]
     if sources[0][1] is not None:  # halves of one gathered w13[ids]
         if sources[0][0] is not sources[1][0] or (sources[0][1], sources[1][1]) != (0, 1):
-            return "gate and up are not the two halves of one gathered gate/up stack"
+            return NoMatch("gate and up are not the two halves of one gathered gate/up stack")
         return hidden, {"gate_up": ExpertWeights(stacked=sources[0][0], out_in=out_in)}
     return hidden, {name: ExpertWeights(stacked=source[0], out_in=out_in) for name, source in zip(("gate", "up"), sources, strict=True)}
 

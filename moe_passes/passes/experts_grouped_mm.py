@@ -29,7 +29,7 @@ from .biases import bias_fields
 from .biases import with_bias as _with_bias
 from .finder import Finder, each_anchor
 from .gemm_tail import GatedTail, StackedLinear, expert_weights, read_gated_tail
-from .matches import Decline, ExpertsMatch
+from .matches import UNSCALED_OUTPUTS, Decline, ExpertsMatch, NoMatch
 from .mlp import stacked_weight
 from .sentinels import through_id_clamp, through_sentinel_mask
 from .slots import (
@@ -89,8 +89,10 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         return Decline(FORM, reason, out, at)
 
     read = _sorted_combine(out)
-    if not isinstance(read, tuple):
-        return read if read is None else no(read, out.args[0])
+    if read is None:
+        return None  # not a sorted region at all (another finder's combine)
+    if isinstance(read, NoMatch):
+        return read.decline(FORM, out)
     ids, algebra, combine = read
     order = combine.slot
     if len(order) != 1 or order[0].kind != "perm":
@@ -105,24 +107,24 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         return source
 
     weighted = _weighted_down(combine, algebra, unmask)
-    if isinstance(weighted[0], str):
-        return no(*weighted)
+    if isinstance(weighted, NoMatch):
+        return weighted.decline(FORM, out)
     down, table = weighted
     num_experts = _expert_count(down.chosen_by, algebra)
     tail = read_gated_tail(down, lambda output: _grouped_linear(output, unmask), "a grouped matmul", separate=True)
-    if isinstance(tail, tuple):
-        return no(*tail)
+    if isinstance(tail, NoMatch):
+        return tail.decline(FORM, out)
     biases = _read_biases(tail, num_experts, algebra, order)
-    if isinstance(biases, tuple):
-        return no(*biases)
+    if isinstance(biases, NoMatch):
+        return biases.decline(FORM, out)
     if num_experts is None:
         return no("group offsets are not the per-expert counts of the sorted ids", down.chosen_by)
     hidden = algebra.hidden_rows(unmask(tail.rows))
     if hidden is None or (hidden.domain, hidden.slot) != (combine.domain, order):
         return no("the grouped rows are not the tokens repeated per slot (x[perm // k])", tail.rows)
     stacks = expert_weights(tail, num_experts)
-    if isinstance(stacks, str):
-        return no(stacks, down.chosen_by)
+    if isinstance(stacks, NoMatch):
+        return stacks.decline(FORM, out, down.chosen_by)
     if any(bound != num_experts for bound in bounds):
         return no("rows are masked against another expert count than the experts held", down.chosen_by)
     return ExpertsMatch(
@@ -153,7 +155,7 @@ def _grouped_linear(output: Node, unmask, rows_as_read: bool = False) -> Stacked
     return StackedLinear(mm, rows, stack, out_in, offs, bias, bias_ids)
 
 
-def _sorted_combine(out: Node) -> tuple[Node, SlotAlgebra, Combine] | str | None:
+def _sorted_combine(out: Node) -> tuple[Node, SlotAlgebra, Combine] | NoMatch | None:
     """(ids, their slot algebra, the combine `out` ends); why not (a k-slot sum that combines nothing);
     None when `out` is no candidate (no sort of ids above it, or a scatter that combines nothing)."""
     ids = sorted_ids(out)
@@ -164,8 +166,11 @@ def _sorted_combine(out: Node) -> tuple[Node, SlotAlgebra, Combine] | str | None
     if combine is not None:
         return ids, algebra, combine
     if is_call(out, aten.sum.dim_IntList):
-        return "expert outputs are not gathered back to token order before the sum"
+        return NoMatch("expert outputs are not gathered back to token order before the sum", out.args[0])
     return None  # a scatter, add or bmm that combines nothing: another step of some region
+
+
+UNWEIGHTED_DOWN = "routing weights do not multiply the output of the down projection"
 
 
 def _perm_index(perm: Node) -> Node:
@@ -175,26 +180,26 @@ def _perm_index(perm: Node) -> Node:
     return next((u for u in perm.users if is_getitem(u, 1)), perm)
 
 
-def _weighted_down(combine: Combine, algebra: SlotAlgebra, unmask) -> tuple:
+def _weighted_down(combine: Combine, algebra: SlotAlgebra, unmask) -> tuple[StackedLinear, Node] | NoMatch:
     """(the down projection, the [T, k] weights) when the rows the combine sums are the down projection
-    scaled by each slot's routing weight, else (why not, where)."""
+    scaled by each slot's routing weight, else why not."""
     values = uncast(combine.values)
     if combine.weights is not None:
         down = _grouped_linear(values, unmask, rows_as_read=True)
         if down is None:
-            return "routing weights do not multiply the output of the down projection", values
+            return NoMatch(UNWEIGHTED_DOWN, values)
         return down, combine.weights
     if not is_call(values, aten.mul.Tensor):
         scaled = algebra.input_scaling(values)
         if scaled is not None:
-            return INPUT_SCALED, scaled
-        return "routing weights do not scale the expert outputs", values
+            return NoMatch(INPUT_SCALED, scaled)
+        return NoMatch(UNSCALED_OUTPUTS, values)
     down, slot_weights = _split_product(values, unmask)
     if down is None:
-        return "routing weights do not multiply the output of the down projection", values
+        return NoMatch(UNWEIGHTED_DOWN, values)
     read = algebra.slot_values(slot_weights)
     if read is None or read[1] != Rows(combine.domain, combine.slot):
-        return "routing weights are not permuted like the tokens", slot_weights
+        return NoMatch("routing weights are not permuted like the tokens", slot_weights)
     return down, read[0]
 
 
@@ -205,16 +210,16 @@ def _expert_count(offs: Node, algebra: SlotAlgebra) -> int | None:
     return algebra.expert_counts(offs.args[0])
 
 
-def _read_biases(tail: GatedTail, num_experts, algebra: SlotAlgebra, order) -> bool | tuple:
+def _read_biases(tail: GatedTail, num_experts, algebra: SlotAlgebra, order) -> bool | NoMatch:
     """Whether the expert biases (GPT-OSS's clamped swiglu only) are gathered with sorted ids clamped to
-    0..E-1 (transformers 5.17); (why not, where) when they are not read as the kernel reads them."""
+    0..E-1 (transformers 5.17); why not when they are not read as the kernel reads them."""
     if tail.gate.swiglu is None:
         return False
     up_bias_ids, up_clamped = through_id_clamp(tail.up.bias_ids, num_experts)
     down_bias_ids, down_clamped = through_id_clamp(tail.down.bias_ids, num_experts)
     sorted_ids = IndexMap(order[0].perm, compose(order, (Step("expert"),)))
     if not (algebra.index(up_bias_ids) == sorted_ids == algebra.index(down_bias_ids)):
-        return "expert biases are not gathered with the sorted expert ids", up_bias_ids
+        return NoMatch("expert biases are not gathered with the sorted expert ids", up_bias_ids)
     return up_clamped or down_clamped
 
 

@@ -39,9 +39,9 @@ from ..fx_utils import (
     through_trailing_cast,
 )
 from . import probe
-from .experts_dense_loop import ExpertTerm, is_zero_init, read_term, role_weights
+from .experts_dense_loop import ExpertTerm, first_no_match, is_zero_init, read_term, role_weights
 from .finder import Candidate, Finder
-from .matches import Decline, ExpertsMatch
+from .matches import IDS_WEIGHTS_SHAPES, MIXED_GATE_UP, Decline, ExpertsMatch, NoMatch, unprobeable
 from .mlp import activation_of, gated_product, halves, projection
 from .slots import INPUT_SCALED, Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, gather_parts, sorted_ids
 
@@ -153,18 +153,19 @@ def _segment(node: Node) -> Segment | None:
     return None
 
 
-def _segments_are_runs(segments: list[tuple[int, Segment]], ids: Node, experts: int) -> str | None:
-    """None when, on probe routings, segment e is exactly the run of sorted slots routed to expert e.
+def _segments_are_runs(segments: list[tuple[int, Segment]], ids: Node, experts: int) -> NoMatch | None:
+    """None when, on probe routings, segment e is exactly the run of sorted slots routed to expert e;
+    else why not (where: the caller's join).
 
     The bounds (split sizes, slice starts and ends: `.tolist()` / `.item()` reads of counts, running
     sums, cumsum offsets, however they are spelled) are evaluated from the ids; the runs follow from
     the counts, since the slots are sorted by expert.
     """
-    tokens, top_k = (int(probe._concrete(d)) for d in shape(ids))
+    tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
     scalars = [t for _, s in segments for t in (*s.start, *s.end) if isinstance(t, Node)]
     nodes = probe.slice_between(scalars, {ids}) if scalars else []
     if any(n.op in ("placeholder", "get_attr") for n in nodes):
-        return "the segment bounds are not computed from the routing ids the rows are sorted by"
+        return NoMatch("the segment bounds are not computed from the routing ids the rows are sorted by")
     try:
         for probe_ids, _ in probe.routing_probes(tokens, top_k, experts, torch.float32):
             env = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)}, probe.OFFSET_OPS)
@@ -172,9 +173,9 @@ def _segments_are_runs(segments: list[tuple[int, Segment]], ids: Node, experts: 
             for e, segment in segments:
                 bounds = (_bound(segment.start, env, tokens * top_k), _bound(segment.end, env, tokens * top_k))
                 if bounds != ((ends[e - 1] if e else 0), ends[e]):
-                    return f"expert {e}'s segment is not the run of sorted slots routed to it (on a probe routing)"
+                    return NoMatch(f"expert {e}'s segment is not the run of sorted slots routed to it (on a probe routing)")
     except probe.NotProbeable as why:
-        return f"the segment bounds are computed with ops the finder cannot check ({why})"
+        return NoMatch(unprobeable("the segment bounds", why))
     return None
 
 
@@ -191,34 +192,35 @@ def _bound(terms: tuple, env: dict, length: int) -> int:
 # The experts, segment by segment
 
 
-def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, Segment]]) -> ExpertTerm | str:
+def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, Segment]]) -> ExpertTerm | NoMatch:
     """Expert e's MLP on one segment: the whole MLP on the segment, or cut and re-joined around the act
     ((e, segment) is appended to `segments` for each cut, the input's first; which rows each cut takes
-    is checked on probes)."""
+    is checked on probes); else why not (stopped at `piece`)."""
     term = read_term(piece)
     if term is not None and term.input_scaled_by is None:
         segment = _segment(strip_shape_ops(term.hidden))
         if segment is None:
-            return f"expert {e}'s input is not a segment of the sorted rows"
+            return NoMatch(f"expert {e}'s input is not a segment of the sorted rows", piece)
         segments.append((e, segment))
         return term
     down = projection(piece)
     joined = _segment(down.input) if down is not None else None
     if joined is None:
-        return f"expert {e}'s output is not a gated MLP of a segment of the sorted rows"
+        return NoMatch(f"expert {e}'s output is not a gated MLP of a segment of the sorted rows", piece)
     product = gated_product(joined.rows)
     split = halves(product.gate, product.up) if product is not None else None
     inner = _joined(split[0]) if split is not None else None
     if inner is None or len(inner.pieces) != experts:
         found = getattr(joined.rows.target, "__name__", str(joined.rows.target))
-        return (
+        return NoMatch(
             f"between the cut projections sits {found}, not act(gate) * up of joined segments (the experts "
-            "are not gated MLPs: e.g. JetMoE's mixture of attention heads)"
+            "are not gated MLPs: e.g. JetMoE's mixture of attention heads)",
+            piece,
         )
     gate_up = projection(inner.pieces[e])
     segment = _segment(gate_up.input) if gate_up is not None else None
     if segment is None:
-        return f"expert {e}'s gate/up input is not a segment of the sorted rows"
+        return NoMatch(f"expert {e}'s gate/up input is not a segment of the sorted rows", piece)
     segments.extend([(e, segment), (e, joined)] + ([(e, inner.placed[e])] if inner.placed else []))
     activation, desc = activation_of(product.activation_node)
     return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
@@ -245,8 +247,8 @@ def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
     for e, piece in enumerate(join.pieces):
         first = len(segments)
         term = _segment_term(piece, e, len(join.pieces), segments)
-        if isinstance(term, str):
-            return no(term, piece)
+        if isinstance(term, NoMatch):
+            return term.decline(FORM, path[-1])
         terms.append(term)
         inputs.append(segments[first][1].rows)
         if join.placed:
@@ -257,42 +259,46 @@ def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
             return no(INPUT_SCALED, sorted_rows)
         return no("the experts do not read segments of one gather of the hidden states", inputs[0])
     read = _sorted_rows(sorted_rows, path)
-    if isinstance(read[0], str):
-        return no(*read)
+    if isinstance(read, NoMatch):
+        return read.decline(FORM, path[-1])
     algebra, rows, combine = read
     weights = _routing_weights(join, combine, terms, algebra, segments)
-    if isinstance(weights, tuple):
-        return no(*weights)
-    reason = _segments_are_runs(segments, algebra.ids, len(terms))
-    if reason is not None:
-        return no(reason, join.node)
+    if isinstance(weights, NoMatch):
+        return weights.decline(FORM, path[-1])
+    not_runs = _segments_are_runs(segments, algebra.ids, len(terms))
+    if not_runs is not None:
+        return not_runs.decline(FORM, path[-1], join.node)
     output = through_trailing_cast(combine.output)
-    return _match(output, terms, rows.hidden, algebra.ids, weights, algebra.top_k, no)
+    matched = _match(output, terms, rows.hidden, algebra.ids, weights, algebra.top_k)
+    return matched.decline(FORM, path[-1]) if isinstance(matched, NoMatch) else matched
 
 
-def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows, Combine] | tuple[str, Node]:
+def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows, Combine] | NoMatch:
     """The slot algebra of the ids the rows are sorted by, the rows it reads and the combine on `path`
-    that brings them back to the same tokens; else (why not, where)."""
+    that brings them back to the same tokens; else why not."""
     ids = sorted_ids(sorted_rows)
     if ids is None or len(shape(ids) or ()) != 2 or const_int(shape(ids)[1]) is None:
-        return "the rows are not ordered by sorting the flat expert ids", sorted_rows
+        return NoMatch("the rows are not ordered by sorting the flat expert ids", sorted_rows)
     algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))
     by = algebra.index(gather_parts(sorted_rows)[1])
     rows = algebra.hidden_rows(sorted_rows)
     if not isinstance(by, IndexMap) or not (rows is None or algebra.expert_ordered(rows)):
-        return "the rows are not ordered by sorting the flat expert ids (nor by the expert-major cells of their one-hot table)", sorted_rows
+        return NoMatch("the rows are not ordered by sorting the flat expert ids (nor by the expert-major cells of their one-hot table)", sorted_rows)
     if rows is None:
-        return "the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows
+        return NoMatch("the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows)
     combines = SlotCombines(algebra)
     combine = next((c for c in map(combines.read, path) if c is not None), None)
     if combine is None:
-        return "the expert outputs are not added back to their tokens, nor weighted and summed over the k slots", path[-1]
+        return NoMatch("the expert outputs are not added back to their tokens, nor weighted and summed over the k slots", path[-1])
     if (combine.domain, combine.slot) != (rows.domain, rows.slot):
-        return "the expert outputs are not brought back to the tokens their rows were read from", combine.output
+        return NoMatch("the expert outputs are not brought back to the tokens their rows were read from", combine.output)
     return algebra, rows, combine
 
 
-def _routing_weights(join: Join, combine: Combine, terms: list, algebra: SlotAlgebra, segments: list) -> Node | tuple:
+UNPERMUTED_WEIGHTS = "routing weights are not permuted like the rows"
+
+
+def _routing_weights(join: Join, combine: Combine, terms: list, algebra: SlotAlgebra, segments: list) -> Node | NoMatch:
     """The [T, k] routing weights, read where the layer applies them: in the combine (a view-sum with
     w[..., None]), to the joined rows (y * w.view(-1)[perm, None]), or in each expert before its down
     projection (Megatron: segments of one per-row weight list, appended to `segments` for the probes)."""
@@ -303,10 +309,10 @@ def _routing_weights(join: Join, combine: Combine, terms: list, algebra: SlotAlg
     if values is join.node and combine.weights is None and len(scaled) == len(terms):
         cuts = [_segment(strip_casts(c)) for c in scaled]
         if any(c is None for c in cuts) or len({c.rows for c in cuts}) != 1:
-            return "the experts' routing weights are not segments of one list of per-row weights", scaled[0]
+            return NoMatch("the experts' routing weights are not segments of one list of per-row weights", scaled[0])
         read = algebra.slot_values(cuts[0].rows)
         if read is None or read[1] != Rows(combine.domain, combine.slot):
-            return "routing weights are not permuted like the rows", cuts[0].rows
+            return NoMatch(UNPERMUTED_WEIGHTS, cuts[0].rows)
         segments.extend(enumerate(cuts))
         return read[0]
     if is_call(values, aten.mul.Tensor) and combine.weights is None and not scaled:
@@ -314,20 +320,21 @@ def _routing_weights(join: Join, combine: Combine, terms: list, algebra: SlotAlg
         read = algebra.slot_values(sides[0][1]) if sides and isinstance(sides[0][1], Node) else None
         if read is not None and read[1] == Rows(combine.domain, combine.slot):
             return read[0]
-        return "routing weights are not permuted like the rows", values
-    return "the expert outputs are not added back to their tokens with their slot's weight", combine.output
+        return NoMatch(UNPERMUTED_WEIGHTS, values)
+    return NoMatch("the expert outputs are not added back to their tokens with their slot's weight", combine.output)
 
 
-def _match(output, terms, hidden, ids, weights, top_k, no) -> ExpertsMatch | Decline:
+def _match(output, terms, hidden, ids, weights, top_k) -> ExpertsMatch | NoMatch:
     if len({t.activation_desc for t in terms}) != 1 or terms[0].activation is None:
-        return no(f"experts use an activation the kernel lacks or several ({terms[0].activation_desc})")
+        return NoMatch(f"experts use an activation the kernel lacks or several ({terms[0].activation_desc})")
     if len({t.gate_up is not None for t in terms}) != 1:
-        return no("experts mix fused gate/up and separate gate and up projections")
+        return NoMatch(MIXED_GATE_UP)
     roles = {name: role_weights(terms, name) for name in ("gate_up", "gate", "up", "down")}
-    if any(isinstance(r, str) for r in roles.values()):
-        return no(next(r for r in roles.values() if isinstance(r, str)))
+    unread = first_no_match(*roles.values())
+    if unread is not None:
+        return unread
     if shape(ids) != shape(weights):
-        return no("routing ids and weights are not [T, k] tensors of the same shape", weights)
+        return NoMatch(IDS_WEIGHTS_SHAPES, weights)
     return ExpertsMatch(
         form=FORM,
         output=output,

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from torch.fx import Node
 
 from ..fx_utils import const_int, shape, strip_shape_ops
-from .matches import ExpertWeights
+from .matches import BIASES_NEED_SWIGLU, GATE_UP_ROWS_DIFFER, STACK_COUNTS_DIFFER, ExpertWeights, NoMatch
 from .mlp import StackedGate, stacked_gate
-
-BIASES_NEED_SWIGLU = "expert biases come only with GPT-OSS's clamped swiglu in the fused kernel"
 
 
 @dataclass(frozen=True)
@@ -54,13 +52,13 @@ class GatedTail:
 
 def read_gated_tail(
     down: StackedLinear, read: Callable[[Node], StackedLinear | None], kind: str, separate: bool = False
-) -> GatedTail | tuple[str, Node]:
+) -> GatedTail | NoMatch:
     """The gate and gate/up projection(s) feeding `down`, each read by `read` (a projection spelled as
-    `kind`, e.g. "a grouped matmul"); else (why not, where). `separate`: gate and up may be two
-    projections (torchtitan's w1 / w3)."""
+    `kind`, e.g. "a grouped matmul"); else why not. `separate`: gate and up may be two projections
+    (torchtitan's w1 / w3)."""
     gate = stacked_gate(down.rows, separate=separate)
-    if isinstance(gate, str):
-        return gate, down.rows
+    if isinstance(gate, NoMatch):
+        return gate
     if gate.gate_up_output is not None:
         outputs = {"gate_up": gate.gate_up_output}
     else:
@@ -69,35 +67,35 @@ def read_gated_tail(
     for name, output in outputs.items():
         linear = read(output)
         if linear is None:
-            return f"gate/up is not {kind}", output
+            return NoMatch(f"gate/up is not {kind}", output)
         if strip_shape_ops(linear.chosen_by) is not strip_shape_ops(down.chosen_by):
-            return "gate/up and down choose each row's expert differently (other group offsets or ids)", output
+            return NoMatch("gate/up and down choose each row's expert differently (other group offsets or ids)", output)
         projections[name] = linear
     if len({p.rows for p in projections.values()}) != 1:
-        return "gate and up read different rows", outputs["up"]
+        return NoMatch(GATE_UP_ROWS_DIFFER, outputs["up"])
     if any(p.bias is not None for p in projections.values()) and gate.swiglu is None:
-        return BIASES_NEED_SWIGLU, next(iter(outputs.values()))
+        return NoMatch(BIASES_NEED_SWIGLU, next(iter(outputs.values())))
     if gate.swiglu is not None and (projections["gate_up"].bias is None or down.bias is None):
-        return BIASES_NEED_SWIGLU, gate.gate_up_output
+        return NoMatch(BIASES_NEED_SWIGLU, gate.gate_up_output)
     if down.bias is not None and gate.swiglu is None:
-        return BIASES_NEED_SWIGLU, down.output
+        return NoMatch(BIASES_NEED_SWIGLU, down.output)
     return GatedTail(gate, projections, down)
 
 
-def expert_weights(tail: GatedTail, num_experts: int | None) -> dict[str, ExpertWeights] | str:
+def expert_weights(tail: GatedTail, num_experts: int | None) -> dict[str, ExpertWeights] | NoMatch:
     """{role: ExpertWeights} of the tail's stacks, each holding `num_experts` experts (None: whatever
-    count the stacks agree on); else why not."""
+    count the stacks agree on); else why not (where: the caller's choice)."""
     linears = {**tail.projections, "down": tail.down}
     counts = set()
     for linear in linears.values():
         dims = shape(linear.stack)
         if dims is None or len(dims) != 3:
-            return "expert weights are not stacked [E, ., .] tensors"
+            return NoMatch("expert weights are not stacked [E, ., .] tensors")
         counts.add(const_int(dims[0]))
     if len(counts) != 1:
-        return "gate/up and down stacks hold different numbers of experts"
+        return NoMatch(STACK_COUNTS_DIFFER)
     if num_experts is not None and counts != {num_experts}:
-        return "the number of stacked experts differs from the expert count of the routing"
+        return NoMatch("the number of stacked experts differs from the expert count of the routing")
     return {name: ExpertWeights(stacked=linear.stack, out_in=linear.out_in) for name, linear in linears.items()}
 
 

@@ -22,6 +22,48 @@ class Decline:
 
 
 @dataclass(frozen=True)
+class NoMatch:
+    """A reader's "no": why the graph is not what it reads, and the node where reading stopped.
+
+    Every reader of the passes returns either what it read or a `NoMatch` (like inductor's
+    `FailedMatch`, it is falsy); callers test `isinstance(x, NoMatch)`. `decline` is the one place a
+    `NoMatch` becomes the `Decline` a finder hands to the pipeline.
+    """
+
+    reason: str
+    at: Node | None = None  # where matching stopped (None: the reader cannot tell; see `decline`)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def decline(self, form: str, anchor: Node | None, at: Node | None = None) -> Decline:
+        """The candidate at `anchor` declined for this reason; `at`: where matching stopped when the
+        reader did not say (it only knows part of the region)."""
+        return Decline(form, self.reason, anchor, self.at if self.at is not None else at)
+
+
+# Reasons more than one reader gives, written once.
+IDS_WEIGHTS_SHAPES = "routing ids and weights are not [T, k] tensors of the same shape"
+GATE_UP_ROWS_DIFFER = "gate and up read different rows"
+NOT_GATED = "the down projection input is not act(gate) * up (the kernel needs gated experts)"
+STACK_COUNTS_DIFFER = "gate/up and down stacks hold different numbers of experts"
+MIXED_GATE_UP = "experts mix fused gate/up and separate gate and up projections"
+UNSCALED_OUTPUTS = "routing weights do not scale the expert outputs"
+BIASES_NEED_SWIGLU = "expert biases come only with GPT-OSS's clamped swiglu in the fused kernel"
+# A graph compiled for zero tokens gives the probes nothing to check the routing on (and has no work).
+EMPTY_BATCH = "the batch is empty at compile time, so which expert takes which weight cannot be checked"
+
+
+def unsupported_activation(described: str) -> str:
+    return f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)"
+
+
+def unprobeable(what: str, why: Exception) -> str:
+    """`what` (e.g. "the routing table") is computed by ops outside the probe set (`probe.NotProbeable`)."""
+    return f"{what} is computed with ops the finder cannot check ({why})"
+
+
+@dataclass(frozen=True)
 class ExpertWeights:
     """One weight role (gate, up, gate+up, down) for all experts.
 

@@ -12,6 +12,7 @@ import torch
 from torch.fx import Node
 
 from ..fx_utils import TRANSPOSE_OPS, const_int, is_call, is_getitem, shape, strip_casts, strip_shape_ops
+from .matches import NOT_GATED, NoMatch, unsupported_activation
 
 aten = torch.ops.aten
 
@@ -181,6 +182,10 @@ class ClampedSwiglu:
     limit: float
     interleaved: bool = True  # False: gate is the first half, up the second (MiniMax-M3, privacy filter)
 
+    @property
+    def description(self) -> str:
+        return f"clamped swiglu (alpha={self.alpha:g}, limit={self.limit:g})"
+
 
 def _interleaved_half(node: Node, start: int) -> Node | None:
     """The source of `node` = source[..., start::2] (a last-dim slice with step 2)."""
@@ -266,38 +271,40 @@ class StackedGate:
     up_output: Node | None = None
 
 
-def stacked_gate(down_input: Node, separate: bool = False) -> StackedGate | str:
-    """Read act(gate) * up over halves of one projection, or GPT-OSS's clamped swiglu; else a reason.
+def stacked_gate(down_input: Node, separate: bool = False) -> StackedGate | NoMatch:
+    """Read act(gate) * up over halves of one projection, or GPT-OSS's clamped swiglu; else why not
+    (stopped at `down_input`).
 
     separate: also accept gate and up that are two projections (the caller reads both)."""
     swiglu = clamped_swiglu(down_input)
     if swiglu is not None and not swiglu.interleaved:
-        return (
+        return NoMatch(
             "GPT-OSS's clamped swiglu on concatenated gate/up halves; the kernel's bias_fused_weights "
             "overload reads gate and up interleaved (even/odd rows), so the weights would need a re-layout "
-            "(interleave gate_up_proj rows once at load time to get this layer fused)"
+            "(interleave gate_up_proj rows once at load time to get this layer fused)",
+            down_input,
         )
     if swiglu is not None:
-        activation = f"clamped swiglu (alpha={swiglu.alpha:g}, limit={swiglu.limit:g})"
-        return StackedGate(activation, swiglu.projection, swiglu)
+        return StackedGate(swiglu.description, swiglu.projection, swiglu)
     product = gated_product(down_input)
     if product is None:
-        return "the down projection input is not act(gate) * up (the kernel needs gated experts)"
+        return NoMatch(NOT_GATED, down_input)
     activation, described = activation_of(product.activation_node)
     if activation is None:
-        return f"activation {described} is not supported by the fused kernel (silu, gelu(tanh), relu)"
+        return NoMatch(unsupported_activation(described), down_input)
     split = halves(product.gate, product.up)
     if split is None:
         clamped = _clamped_halves(product.gate, product.up)
         if clamped is not None:
-            return (
+            return NoMatch(
                 f"gate and up are clamped before act(gate) * up ({clamped}: a clamped SwiGLU as in "
                 "DeepSeek-V4); the fused kernel has no such clamp (only its GPT-OSS overload clamps, and it "
-                "computes (up + 1) * gate * sigmoid(alpha * gate))"
+                "computes (up + 1) * gate * sigmoid(alpha * gate))",
+                down_input,
             )
         if separate:
             return StackedGate(activation, None, None, product.gate, product.up)
-        return "gate and up are not the two halves of one projection"
+        return NoMatch("gate and up are not the two halves of one projection", down_input)
     return StackedGate(activation, split[0], None)
 
 

@@ -102,7 +102,8 @@ class NotProbeable(Exception):
     """The sub-graph uses an op outside the probe set (so the finder cannot vouch for it)."""
 
 
-def _concrete(value):
+def concrete(value):
+    """`value` with symbolic ints, floats and bools replaced by their hints (the traced example's)."""
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         hint = getattr(value.node, "hint", None)
         if hint is None:
@@ -111,17 +112,18 @@ def _concrete(value):
     return value
 
 
-def _concrete_args(args, env: dict):
+def concrete_args(args, env: dict):
+    """`args` (of a node) with each node replaced by its value in `env`, or by its concrete scalar value."""
     def lookup(node: Node):
         if node in env:
             return env[node]
         value = node.meta.get("val")
         if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool | int | float):
-            return _concrete(value)
+            return concrete(value)
         raise NotProbeable(f"{node.name} is outside the probed sub-graph")
 
     mapped = map_arg(args, lookup)
-    return torch.utils._pytree.tree_map(_concrete, mapped)
+    return torch.utils._pytree.tree_map(concrete, mapped)
 
 
 def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset()) -> dict:
@@ -133,10 +135,10 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset()) -
         allowed = node.target in PROBE_OPS or node.target in extra_ops or is_cast(node)
         if node.op != "call_function" or not allowed:
             raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
-        kwargs = dict(_concrete_args(node.kwargs, env))
+        kwargs = dict(concrete_args(node.kwargs, env))
         if "device" in kwargs:  # factory ops: probes run on the CPU whatever device was traced
             kwargs["device"] = "cpu"
-        env[node] = node.target(*_concrete_args(node.args, env), **kwargs)
+        env[node] = node.target(*concrete_args(node.args, env), **kwargs)
     return env
 
 
