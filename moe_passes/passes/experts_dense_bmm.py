@@ -22,7 +22,7 @@ from torch.fx import Node
 from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops
 from . import probe
 from .biases import bias_fields
-from .experts_dense_loop import is_zero_init
+from .expert_terms import is_zero_init
 from .finder import Finder, each_anchor
 from .matches import (
     BIASES_NEED_SWIGLU,

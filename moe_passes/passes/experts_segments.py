@@ -39,7 +39,7 @@ from ..fx_utils import (
     through_trailing_cast,
 )
 from . import probe
-from .experts_dense_loop import ExpertTerm, first_no_match, is_zero_init, read_term, role_weights
+from .expert_terms import ExpertTerm, first_no_match, is_zero_init, read_term, role_weights
 from .finder import Candidate, Finder
 from .matches import IDS_WEIGHTS_SHAPES, MIXED_GATE_UP, Decline, ExpertsMatch, NoMatch, unprobeable
 from .mlp import activation_of, gated_product, halves, projection

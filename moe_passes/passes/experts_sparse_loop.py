@@ -32,7 +32,7 @@ from ..fx_utils import (
     strip_shape_ops,
     through_trailing_cast,
 )
-from .experts_dense_loop import ExpertTerm, is_zero_init, match_terms, read_term
+from .expert_terms import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
 

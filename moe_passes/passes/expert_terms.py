@@ -1,0 +1,482 @@
+"""Expert terms: one expert's MLP scaled by its per-token routing coefficient, and which expert each is.
+
+    term_e = MLP_e(x) * c_e        c_e[t] = w[t, j] if ids[t, j] == e else 0
+
+Read the same way by every form that unrolls a loop over the experts into terms (the dense loop's sum,
+the sparse loop's index_add, the segments' joins): `read_term` reads one term's MLP structurally
+(mlp.py), `match_terms` checks that a list of terms are the experts of one MoE layer, the same MLP with
+one weight per expert, each coefficient matched to its expert by evaluating the index/mask sub-graph on
+probe routing tensors (probe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import (
+    const_int,
+    dtype,
+    is_call,
+    shape,
+    strip_casts,
+    strip_shape_ops,
+)
+from . import probe
+from .matches import (
+    EMPTY_BATCH,
+    IDS_WEIGHTS_SHAPES,
+    MIXED_GATE_UP,
+    Decline,
+    ExpertsMatch,
+    ExpertWeights,
+    NoMatch,
+    unprobeable,
+    unsupported_activation,
+)
+from .mlp import (
+    ClampedSwiglu,
+    Projection,
+    activation_of,
+    clamped_swiglu,
+    gated_product,
+    halves,
+    projection,
+    row_scaled,
+)
+
+aten = torch.ops.aten
+NOT_ONE_IDS_AND_WEIGHTS = NoMatch("the per-expert routing weights do not derive from one ids tensor and one weights tensor")
+NOT_SCATTERED = "the per-expert weights are not scattered into a zero [T, E] table"
+
+
+@dataclass(frozen=True)
+class ExpertTerm:
+    """One leaf of the accumulation: MLP(x) scaled by a per-token coefficient."""
+
+    term: Node
+    mlp_out: Node
+    coefficient: Node | None
+    hidden: Node
+    activation: str | None
+    activation_desc: str
+    gate_up: Projection | None
+    gate: Projection | None
+    up: Projection | None
+    down: Projection
+    input_scaled_by: Node | None = None  # set when the routing weight multiplies the MLP input
+    # Sparse loops (experts_sparse_loop.py): the token indices this expert gathers its rows from and
+    # adds its output back to. None for a dense term, which covers every token.
+    rows: Node | None = None
+    rows_overwrite: bool = False  # rows are written (out[tok] += y), not added: they must not repeat
+    # GPT-OSS experts: interleaved gate/up with per-expert biases and the clamped swiglu.
+    swiglu: ClampedSwiglu | None = None
+    gate_up_bias: Node | None = None
+    down_bias: Node | None = None
+
+    def outputs(self) -> list[Node]:
+        """The nodes whose values decide which tokens this expert serves, and with which weight."""
+        return [self.coefficient] + ([self.rows] if self.rows is not None else [])
+
+
+def _with_expert_bias(node: Node) -> tuple[Node, Node | None]:
+    """(y, b) for y + b with b one expert's 1-D bias; (node, None) otherwise."""
+    node = strip_shape_ops(node)
+    if is_call(node, aten.add.Tensor) and all(isinstance(a, Node) for a in node.args):
+        for y, bias in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if len(shape(bias) or ()) == 1 and projection(y) is not None:
+                return strip_shape_ops(y), bias
+    return node, None
+
+
+def _read_swiglu_mlp(node: Node) -> dict | None:
+    """GPT-OSS's expert: (down(clamped swiglu(gate_up(x) + b1)) + b2), gate/up interleaved."""
+    down_out, down_bias = _with_expert_bias(node)
+    down = projection(down_out)
+    swiglu = clamped_swiglu(down.input) if down is not None else None
+    if swiglu is None or not swiglu.interleaved:
+        return None
+    gate_up_out, gate_up_bias = _with_expert_bias(swiglu.projection)
+    fused = projection(gate_up_out)
+    if fused is None or (gate_up_bias is None) != (down_bias is None):
+        return None
+    desc = swiglu.description
+    return dict(
+        hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=desc, desc=desc,
+        swiglu=swiglu, gate_up_bias=gate_up_bias, down_bias=down_bias,
+    )
+
+
+def _read_mlp(node: Node) -> dict | None:
+    """Read down(act(gate(x)) * up(x)); gate/up from one fused projection or two projections."""
+    down = projection(node)
+    if down is None:
+        return _read_swiglu_mlp(node)
+    product, scaled_by = gated_product(down.input), None
+    if product is None and row_scaled(down.input) is not None:
+        inner, scaled_by = row_scaled(down.input)
+        product = gated_product(inner)
+    if product is None:
+        return None
+    activation, desc = activation_of(product.activation_node)
+    read = dict(down=down, act=activation, desc=desc, scaled_by=scaled_by)
+    split = halves(product.gate, product.up)
+    if split is not None:
+        fused = projection(split[0])
+        if fused is None:
+            return None
+        return dict(hidden=fused.input, gate_up=fused, gate=None, up=None, **read)
+    gate, up = projection(product.gate), projection(product.up)
+    if gate is None or up is None or gate.input is not up.input:
+        return None
+    return dict(hidden=gate.input, gate_up=None, gate=gate, up=up, **read)
+
+
+def read_term(node: Node) -> ExpertTerm | None:
+    """MLP(x) * c (either order, casts allowed), or an unscaled MLP; None when `node` is neither."""
+    node_s = strip_casts(node)
+    if is_call(node_s, aten.mul.Tensor):
+        for a, b in ((node_s.args[0], node_s.args[1]), (node_s.args[1], node_s.args[0])):
+            if isinstance(a, Node) and isinstance(b, Node):
+                mlp = _read_mlp(strip_casts(a))
+                if mlp is not None and mlp.get("scaled_by") is None:
+                    return _term(node, strip_casts(a), b, mlp)
+    mlp = _read_mlp(node_s)
+    if mlp is not None and mlp.get("scaled_by") is not None:  # scaled before the down projection
+        return _term(node, node_s, mlp.get("scaled_by"), mlp)
+    if mlp is not None:  # an unscaled MLP: is its input scaled instead?
+        hidden = strip_casts(mlp["hidden"])
+        scaled_by = None
+        if is_call(hidden, aten.mul.Tensor):
+            scaled_by = hidden.args[1]
+        return _term(node, node_s, None, mlp, input_scaled_by=scaled_by)
+    return None
+
+
+def _term(node, mlp_out, coefficient, mlp, input_scaled_by=None) -> ExpertTerm:
+    return ExpertTerm(
+        term=node,
+        mlp_out=mlp_out,
+        coefficient=coefficient,
+        hidden=strip_shape_ops(mlp["hidden"]),
+        activation=mlp["act"],
+        activation_desc=mlp["desc"],
+        gate_up=mlp["gate_up"],
+        gate=mlp["gate"],
+        up=mlp["up"],
+        down=mlp["down"],
+        input_scaled_by=input_scaled_by,
+        swiglu=mlp.get("swiglu"),
+        gate_up_bias=mlp.get("gate_up_bias"),
+        down_bias=mlp.get("down_bias"),
+    )
+
+
+def is_zero_init(node: Node) -> bool:
+    node = strip_casts(node)
+    if is_call(node, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
+        return True
+    if is_call(node, aten.full.default, aten.full_like.default, aten.new_full.default):
+        return node.args[-1] == 0 or node.args[1] == 0
+    return False
+
+
+def _activation_node(term: ExpertTerm) -> Node:
+    """The node applying an expert's activation (where a decline about it stops), else its output."""
+    product = gated_product(term.down.input)
+    return product.activation_node if product is not None else term.mlp_out
+
+
+def match_terms(root: Node, terms: list[ExpertTerm], form: str) -> ExpertsMatch | Decline:
+    """The match for experts summed into `root` (one term each), or why they cannot be fused."""
+
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(form, reason, root, at)
+
+    uniform = _uniform_terms(terms)
+    if uniform is not None:
+        return uniform.decline(form, root)
+    hidden = {t.hidden for t in terms}
+    if len(hidden) != 1:
+        return no("experts do not all read the same hidden states")
+    if len({t.gate_up is not None for t in terms}) != 1:
+        return no(MIXED_GATE_UP)
+
+    assignment = _expert_ids(terms)
+    if isinstance(assignment, NoMatch):
+        return assignment.decline(form, root)
+    ids, weights, order, first_expert = assignment
+    ordered = [terms[i] for i in order]
+
+    gate_up = role_weights(ordered, "gate_up")
+    gate, up, down = role_weights(ordered, "gate"), role_weights(ordered, "up"), role_weights(ordered, "down")
+    swiglu = terms[0].swiglu
+    biases = {}
+    if swiglu is not None:
+        if terms[0].gate_up_bias is None:
+            return no("GPT-OSS's clamped swiglu without expert biases (the kernel's overload adds them)")
+        biases = dict(
+            gate_up_bias=role_weights(ordered, "gate_up_bias"),
+            down_bias=role_weights(ordered, "down_bias"),
+            alpha=swiglu.alpha,
+            limit=swiglu.limit,
+        )
+    bias_roles = (biases.get("gate_up_bias"), biases.get("down_bias"))
+    unread = first_no_match(gate_up, gate, up, down, *bias_roles)
+    if unread is not None:
+        return unread.decline(form, root)
+    return ExpertsMatch(
+        form=form,
+        output=root,
+        hidden=terms[0].hidden,
+        ids=ids,
+        weights=weights,
+        num_experts=len(terms),
+        top_k=const_int(shape(ids)[-1]),
+        activation=terms[0].activation,
+        experts_min=first_expert,
+        gate_up=gate_up,
+        gate=gate,
+        up=up,
+        down=down,
+        **biases,
+    )
+
+
+def _uniform_terms(terms: list[ExpertTerm]) -> NoMatch | None:
+    """Why not, unless every term is routing-weighted on its output with one supported activation."""
+    if any(t.coefficient is None for t in terms):
+        scaled = [t for t in terms if t.input_scaled_by is not None]
+        if scaled:
+            return NoMatch(
+                "routing weights scale each expert's input, not its output; the fused kernel weights "
+                "outputs, and with a non-linear MLP the two are not equal",
+                scaled[0].hidden,  # the product of the input and the routing weight
+            )
+        unweighted = next(t for t in terms if t.coefficient is None)
+        return NoMatch("some experts' outputs are summed without a routing weight", unweighted.term)
+    activations = {t.activation_desc for t in terms}
+    if len(activations) > 1:
+        odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
+        return NoMatch(
+            f"experts use different activations ({', '.join(sorted(activations))}); the kernel takes one",
+            _activation_node(odd),
+        )
+    if terms[0].activation is None:
+        return NoMatch(unsupported_activation(terms[0].activation_desc), _activation_node(terms[0]))
+    return None
+
+
+def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | NoMatch | None:
+    """One weight role of every expert: a projection's weight, or a 1-D bias node (None: no expert has
+    the role); else why not."""
+    projections = [getattr(t, name) for t in terms]
+    if projections[0] is None:
+        return None
+    if any(p is None for p in projections):
+        return NoMatch(f"some experts have no {name}")
+    if isinstance(projections[0], Node):  # biases: no layout
+        weights, out_in = projections, True
+    elif len({p.out_in for p in projections}) != 1:
+        return NoMatch(f"the {name} weights of the experts are laid out differently")
+    else:
+        weights, out_in = [p.weight for p in projections], projections[0].out_in
+    shapes = {shape(w) for w in weights}
+    dtypes = {dtype(w) for w in weights}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        return NoMatch(f"the {name} weights of the experts differ in shape or dtype")
+    stacked = _stacked_source(weights)
+    if stacked is not None:  # w[e] for e = 0..E-1 of one stacked parameter: pass the stack itself
+        return ExpertWeights(stacked=stacked, out_in=out_in)
+    return ExpertWeights(per_expert=tuple(weights), out_in=out_in)
+
+
+def first_no_match(*roles: ExpertWeights | NoMatch | None) -> NoMatch | None:
+    """The first role `role_weights` could not read, if any."""
+    return next((r for r in roles if isinstance(r, NoMatch)), None)
+
+
+def _stacked_source(weights: list[Node]) -> Node | None:
+    """S when weights[e] is select(S, 0, e) for every e and S holds exactly these experts."""
+    if not all(is_call(w, aten.select.int) for w in weights):
+        return None
+    source = weights[0].args[0]
+    for index, w in enumerate(weights):
+        if w.args[0] is not source or w.args[1] != 0 or const_int(w.args[2]) != index:
+            return None
+    return source if const_int(shape(source)[0]) == len(weights) else None
+
+
+def _frontier(terms: list[ExpertTerm], through_tables: bool = False) -> tuple[set[Node], list[list[Node]]]:
+    """The routing tensors every term derives from, and each term's slice of index/mask ops.
+
+    Starts at the first common ancestors of the terms. A common ancestor that is itself an integer or
+    boolean mask computed by probe-able ops (the one-hot expert mask a sparse loop indexes, say) is
+    looked through, so that the frontier reaches the ids and weights that routing produced. With
+    `through_tables`, so is a dense [T, E] weight table that probe-able ops build from integer ids
+    (`zeros(T, E).scatter_add(1, ids, w)`, `(one_hot(ids) * w[..., None]).sum(1)`), together with the
+    constant tensors its construction starts from: each column is then checked from the ids and
+    weights themselves, however the table was spelled.
+    """
+    ancestry = []
+    for term in terms:
+        seen, stack = set(), list(term.outputs())
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        ancestry.append(seen)
+    common = set.intersection(*ancestry)
+    while True:
+        slices, frontier = [], set()
+        for term in terms:
+            nodes = probe.slice_between(term.outputs(), common)
+            slices.append(nodes)
+            for node in nodes:
+                frontier.update(n for n in node.all_input_nodes if n in common)
+        masks = {n for n in frontier if probe.builds_mask(n) or (through_tables and probe.builds_table(n))}
+        if not masks:
+            return frontier, slices
+        common -= masks
+
+
+def _expert_ids(terms: list[ExpertTerm]):
+    """(ids, weights, order, first) with order[i] = index of the term of expert first + i; else why not."""
+    assignment = _expert_ids_from(*_frontier(terms), terms)
+    if assignment is NOT_ONE_IDS_AND_WEIGHTS:  # a dense table built from the ids: check it from them
+        assignment = _expert_ids_from(*_frontier(terms, through_tables=True), terms)
+    return assignment
+
+
+def _expert_ids_from(frontier: set[Node], slices: list[list[Node]], terms: list[ExpertTerm]):
+    tensors = {n for n in frontier if isinstance(n.meta.get("val"), torch.Tensor)}
+    padded = [n for n in tensors if is_call(strip_casts(n), aten.scatter.src, aten.scatter.value)]
+    try:
+        if len(tensors) == 1 and padded:
+            return _assign_from_padded(strip_casts(padded[0]), padded[0], terms, slices)
+        if len(tensors) == 2 and len(padded) == 1:  # the table and the ids it was scattered with
+            table, scatter = padded[0], strip_casts(padded[0])
+            ids = next(iter(tensors - {table}))
+            if strip_shape_ops(scatter.args[2]) is ids and isinstance(scatter.args[3], Node):
+                return _assign_from_routing({ids, strip_shape_ops(scatter.args[3])}, terms, slices, table)
+        return _assign_from_routing(tensors, terms, slices)
+    except probe.NotProbeable as why:
+        return NoMatch(unprobeable("the per-expert routing weight", why))
+
+
+def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torch.Tensor | None:
+    """The coefficient broadcast against an expert output of `out_shape`, as one value per row."""
+    try:
+        full = value.expand(torch.broadcast_shapes(value.shape, out_shape))
+    except RuntimeError:
+        return None
+    flat = full.reshape(-1, full.shape[-1]) if full.dim() >= 2 else None
+    if flat is None or flat.shape[0] != rows or not bool((flat == flat[:, :1]).all()):
+        return None
+    return flat[:, 0]
+
+
+def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor | None:
+    """The weight each token's MLP output gets from `term` under one probe ([T]), or None.
+
+    Dense terms scale the output for all T tokens. Sparse terms scale the rows they gathered and add
+    them back at those rows, so a token's weight is the sum of its rows' coefficients.
+    """
+    width = probe.concrete(term.mlp_out.meta["val"].shape[-1])
+    if term.rows is None:
+        out_shape = tuple(int(d) for d in probe.concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
+        return _token_axis_values(env[term.coefficient], out_shape, tokens)
+    rows = env[term.rows]
+    if rows.dim() != 1 or rows.dtype.is_floating_point or bool(((rows < 0) | (rows >= tokens)).any()):
+        return None
+    if term.rows_overwrite and rows.unique().numel() != rows.numel():
+        return None
+    per_row = _token_axis_values(env[term.coefficient], (rows.shape[0], int(width)), rows.shape[0])
+    if per_row is None:
+        return None
+    return torch.zeros(tokens, dtype=per_row.dtype).index_add_(0, rows, per_row)
+
+
+def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, terms):
+    """(order, first expert) of the terms, else why not; the loop may hold a contiguous range of the
+    router's experts (expert parallelism: this rank's experts; the others contribute zero here)."""
+    order: dict[int, int] = {}
+    for index, term in enumerate(terms):
+        matches = None
+        for columns, env in zip(columns_per_probe, envs_per_term[index], strict=True):
+            per_token = _per_token_weight(term, env, tokens)
+            if per_token is None:
+                return NoMatch("an expert's routing weight is not one value per token")
+            hits = {e for e in range(num_columns) if torch.equal(per_token.to(columns.dtype), columns[:, e])}
+            matches = hits if matches is None else matches & hits
+        if not matches or len(matches) != 1:
+            return NoMatch("an expert's routing weight is not the routing weight of one expert")
+        expert = matches.pop()
+        if expert in order:
+            return NoMatch(f"two experts in the loop take the routing weight of expert {expert}")
+        order[expert] = index
+    first = min(order)
+    if sorted(order) != list(range(first, first + len(terms))):
+        return NoMatch("the loop's experts are not a contiguous range of the routing's experts")
+    return [order[e] for e in range(first, first + len(terms))], first
+
+
+def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
+    base, dim, ids, weights = scatter.args[:4]
+    if not is_zero_init(base) or dim not in (-1, 1) or len(shape(base)) != 2:
+        return NoMatch(NOT_SCATTERED)
+    tokens, width = (int(probe.concrete(d)) for d in shape(base))
+    if tokens == 0:
+        return NoMatch(EMPTY_BATCH)
+    if not isinstance(weights, Node) or shape(ids) != shape(weights):
+        return NoMatch("routing ids and weights differ in shape")
+    columns = probe.column_probes(tokens, width, dtype(padded))
+    envs = [[probe.evaluate(nodes, {padded: table}) for table in columns] for nodes in slices]
+    order = _assign(columns, envs, tokens, width, terms)
+    return order if isinstance(order, NoMatch) else (strip_shape_ops(ids), strip_shape_ops(weights), *order)
+
+
+def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None = None):
+    """Assignment on probe routing; `table`, when given, is the [T, E] table scattered from the ids and
+    weights (GPT-OSS's router scores), evaluated from each probe."""
+    routing = probe.ids_and_weights(tensors)
+    if routing is None:
+        return NOT_ONE_IDS_AND_WEIGHTS
+    ids, weights = routing
+    if shape(ids) != shape(weights) or len(shape(ids)) != 2:
+        return NoMatch(IDS_WEIGHTS_SHAPES)
+    tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
+    if tokens == 0:
+        return NoMatch(EMPTY_BATCH)
+    width = max(len(terms), _routing_width(ids) or 0)
+    if top_k > width:
+        return NoMatch("top-k is larger than the number of experts")
+    if table is not None:
+        scatter = strip_casts(table)
+        if not is_zero_init(scatter.args[0]) or scatter.args[1] not in (-1, 1) or len(shape(table)) != 2:
+            return NoMatch(NOT_SCATTERED)
+        width = int(probe.concrete(shape(table)[1]))
+    probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
+    columns = [probe.padded_columns(i, w, width) for i, w in probes]
+
+    def inputs(i: torch.Tensor, w: torch.Tensor, columns: torch.Tensor) -> dict:
+        env = {ids: i.to(dtype(ids)), weights: w}
+        if table is not None:
+            env[table] = columns.to(dtype(table))
+        return env
+
+    envs = [
+        [probe.evaluate(nodes, inputs(i, w, c)) for (i, w), c in zip(probes, columns, strict=True)]
+        for nodes in slices
+    ]
+    order = _assign(columns, envs, tokens, width, terms)
+    return order if isinstance(order, NoMatch) else (ids, weights, *order)
+
+
+def _routing_width(ids: Node) -> int | None:
+    from .routing import describe
+
+    return describe(ids, ids).num_experts
