@@ -1,41 +1,41 @@
-"""The catalog of MoE source forms the passes meet in the wild (not installed with the package).
+"""The catalog of MoE forms was renamed: `patterns/` is now `form_catalog/` ("pattern" means a search
+graph everywhere else in PyTorch).
 
-Each module mirrors one real-world form in plain PyTorch, cites the code it mirrors, offers
-`build(**overrides) -> (module, example_inputs)` with small defaults, and states in `EXPECTED` the
-rewrite it must get (or why it must be declined). The demo, the tests and the tools run from here.
+`from patterns import catalog, dynamo_config, Expected, FORMS` keeps working, with a DeprecationWarning;
+importing a module of it (`patterns.hf_grouped_mm`, `from patterns import hf_grouped_mm`) fails with an
+error naming its new place.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from types import ModuleType
+import importlib.abc
+import sys
+import warnings
 
-from ._expected import Expected
+from form_catalog import FORMS, Expected, catalog, dynamo_config
 
-
-def _form_modules() -> tuple[str, ...]:
-    """Every module of this package that is a form: not `_private` helpers, not the `corpus` package,
-    not a module that says `IN_CATALOG = False` (a calling convention that runs only inside its
-    framework's context, e.g. `vllm_fused_moe`)."""
-    names = sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.ispkg and not info.name.startswith("_"))
-    return tuple(name for name in names if getattr(importlib.import_module(f"{__name__}.{name}"), "IN_CATALOG", True))
+warnings.warn("the `patterns` catalog is now `form_catalog`: import form_catalog instead", DeprecationWarning,
+              stacklevel=2)
 
 
-# Discovered, not listed: adding a form is adding its module (and its snapshot).
-FORMS = _form_modules()
+class _Renamed(importlib.abc.MetaPathFinder):
+    """`import patterns.<module>` raises, naming `form_catalog.<module>`."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith(f"{__name__}."):
+            new = "form_catalog" + fullname[len(__name__):]
+            raise ModuleNotFoundError(f"{fullname} was renamed: import {new}", name=fullname)
+        return None
 
 
-def catalog() -> dict[str, ModuleType]:
-    """{form name: module}, in name order."""
-    return {name: importlib.import_module(f"{__name__}.{name}") for name in FORMS}
+def __getattr__(name: str):
+    """`from patterns import <module>` raises, naming `form_catalog.<module>`."""
+    if name in FORMS or name == "corpus":
+        raise ImportError(f"patterns.{name} was renamed: import form_catalog.{name}", name=f"patterns.{name}")
+    raise AttributeError(f"module 'patterns' has no attribute {name!r}")
 
 
-def dynamo_config(form: ModuleType):
-    """The `torch._dynamo.config` patch a form needs to be captured as its docstring says (often none)."""
-    import torch
+if not any(isinstance(finder, _Renamed) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _Renamed())
 
-    return torch._dynamo.config.patch(**getattr(form, "DYNAMO_CONFIG", {}))
-
-
-__all__ = ["Expected", "catalog", "dynamo_config", "FORMS"]
+__all__ = ["FORMS", "Expected", "catalog", "dynamo_config"]

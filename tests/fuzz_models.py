@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.backends.registry import lookup_backend
 
+from form_catalog._common import GatedMLP
+from form_catalog.hf_batched_mm import batched_linear
+from form_catalog.hf_grouped_mm import _grouped_mm, _tokens_per_expert
+from form_catalog.near_miss_data_dependent_loop import eager_experts_forward
 from moe_passes.backend import hpu_moe
 from moe_passes.printer import is_fused_moe
 from moe_passes.report import collecting
-from patterns._common import GatedMLP
-from patterns.hf_batched_mm import batched_linear
-from patterns.hf_grouped_mm import _grouped_mm, _tokens_per_expert
-from patterns.near_miss_data_dependent_loop import eager_experts_forward
 
 ROUTINGS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_bias", "sigmoid_bias_renorm")
 SUPPORTED_ACTIVATIONS = {
@@ -152,7 +152,7 @@ def cases(draw) -> Case:
     # A loop over one expert is no loop (nothing marks it as an MoE); the GEMM forms take E = 1.
     num_experts = draw(st.integers(1 if experts.endswith("_mm") else 2, 12))
     top_k = draw(st.integers(1, min(num_experts, 4)))
-    grouped = experts == "grouped_mm"  # bfloat16 only, 16-byte strides (patterns/hf_grouped_mm.py)
+    grouped = experts == "grouped_mm"  # bfloat16 only, 16-byte strides (form_catalog/hf_grouped_mm.py)
     dtype = "bfloat16" if grouped else draw(st.sampled_from(("float32", "bfloat16")))
     size = st.sampled_from((8, 16, 24, 32)) if grouped else st.integers(1, 40)
     dynamic = draw(st.booleans())
@@ -213,7 +213,7 @@ def _expert_range(draw, experts: str, num_experts: int) -> dict:
 
 
 class Router(nn.Module):
-    """Softmax/top-k routings of `patterns/_common.route`, plus DeepSeek-V3's bias-corrected sigmoid."""
+    """Softmax/top-k routings of `form_catalog/_common.route`, plus DeepSeek-V3's bias-corrected sigmoid."""
 
     def __init__(self, case: Case):
         super().__init__()
@@ -348,7 +348,7 @@ def sparse_loop(experts: Experts, x, ids, weights):
 
 
 def grouped_mm(experts: Experts, x, ids, weights):
-    """transformers 5.x grouped_mm_experts_forward (patterns/hf_grouped_mm.py), either layout; or, with
+    """transformers 5.x grouped_mm_experts_forward (form_catalog/hf_grouped_mm.py), either layout; or, with
     a spelling drawn, the same computation written step by step in the drawn spellings."""
     if experts.case.spelling:
         return spelled_grouped_mm(experts, x, ids, weights, experts.case)
@@ -439,7 +439,7 @@ def _grouped_experts(experts: Experts, rows, offsets):
 
 
 def batched_mm(experts: Experts, x, ids, weights):
-    """transformers 5.x batched_mm_experts_forward (patterns/hf_batched_mm.py), either layout; the rows
+    """transformers 5.x batched_mm_experts_forward (form_catalog/hf_batched_mm.py), either layout; the rows
     repeated k times in the case's spelling."""
     k = ids.size(-1)
     flat = ids.reshape(-1)

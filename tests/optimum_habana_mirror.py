@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patterns.mixtral4_sparse_loop import MixtralExpert
+from form_catalog.mixtral4_sparse_loop import MixtralExpert
 
 
 class GaudiStyleMixtralMoE(nn.Module):

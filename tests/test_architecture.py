@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_passes
-from patterns import catalog
+from form_catalog import catalog
 from tests.helpers import run_hpu_moe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import moe_passes
+from form_catalog import catalog
 from moe_passes import lowering
 from moe_passes.options import Options
 from moe_passes.report import collecting
-from patterns import catalog
 from tests.helpers import RecordingInner, assert_close_for_dtype, eager_output, run_hpu_moe
 
 

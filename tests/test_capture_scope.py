@@ -33,7 +33,7 @@ def test_importing_the_package_changes_no_class_and_no_dynamo_state():
         import json, sys, torch
         sys.path.insert(0, ".")
         from transformers.models.mixtral import modeling_mixtral  # noqa: F401  (model classes loaded first)
-        from patterns import hf4_hit_expert_loop, mistral_where_loop  # noqa: F401  (classes the adapters take)
+        from form_catalog import hf4_hit_expert_loop, mistral_where_loop  # noqa: F401  (classes the adapters take)
 
         def classes():
             found, stack = {}, [torch.nn.Module]
@@ -62,7 +62,7 @@ OTHER_BACKEND = """
     import json, sys, torch
     sys.path.insert(0, ".")
     {imports}
-    from patterns import catalog, dynamo_config
+    from form_catalog import catalog, dynamo_config
     results = {{}}
     for name in ("hf4_hit_expert_loop", "deepseek_v2_count_loop", "mistral_where_loop"):
         form = catalog()[name]
@@ -83,7 +83,7 @@ def test_other_backends_compile_adapted_families_as_if_never_imported():
 
 
 def test_discovery_survives_a_dynamo_reset_and_classes_imported_after_it():
-    from patterns import catalog, dynamo_config
+    from form_catalog import catalog, dynamo_config
 
     first = catalog()["hf4_hit_expert_loop"]
     model, inputs = first.build()
@@ -97,13 +97,13 @@ def test_discovery_survives_a_dynamo_reset_and_classes_imported_after_it():
         import json, sys, torch
         sys.path.insert(0, ".")
         import moe_passes
-        from patterns import catalog, dynamo_config
+        from form_catalog import catalog, dynamo_config
         first = catalog()["hf4_hit_expert_loop"]
         model, inputs = first.build()
         with torch.no_grad(), dynamo_config(first):
             torch.compile(model, backend="hpu_moe", options={"inner": "eager"})(*inputs)
         torch._dynamo.reset()
-        from patterns import gpt_oss4_hit_loop  # imported after the reset
+        from form_catalog import gpt_oss4_hit_loop  # imported after the reset
         model, inputs = gpt_oss4_hit_loop.build()
         from torch._dynamo.utils import counters
         counters.clear()

@@ -7,8 +7,8 @@ import operator
 import pytest
 import torch
 
+from form_catalog import catalog, dynamo_config
 from moe_passes import weight_stacks
-from patterns import catalog, dynamo_config
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe, skip_unless_dynamo_slices_for
 
 FORMS = catalog()

@@ -1,4 +1,4 @@
-"""The wild corpus (patterns/corpus/), measured as tools/corpus.py measures it: never worse than eager.
+"""The wild corpus (form_catalog/corpus/), measured as tools/corpus.py measures it: never worse than eager.
 
 Every entry compiles and runs with backend="hpu_moe" wherever backend="eager" does, and a fused entry
 equals eager. The outcome of each entry is pinned below, so that a change in what is fused, declined or
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from patterns.corpus import entries
+from form_catalog.corpus import entries
 from tests.helpers import torch_release
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from form_catalog import catalog
+from form_catalog.aria4_offset_segments import OffsetExperts, offset_matmul
+from form_catalog.deepseek_v2_count_loop import CountLoopMoE
 from moe_passes.adapters import hit_expert_loops
-from patterns import catalog
-from patterns.aria4_offset_segments import OffsetExperts, offset_matmul
-from patterns.deepseek_v2_count_loop import CountLoopMoE
 from tests.helpers import (
     assert_close_for_dtype,
     eager_output,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import form_catalog
 import moe_passes
-import patterns
 from moe_passes import backend_passes, ir
 
 
@@ -18,7 +18,7 @@ def test_rewritten_graph_carries_dynamo_metadata(monkeypatch):
         return result
 
     monkeypatch.setattr(backend_passes, "carry_dynamo_metadata", spy)
-    model, inputs = patterns.catalog()["hf_grouped_mm"].build(layers=2)
+    model, inputs = form_catalog.catalog()["hf_grouped_mm"].build(layers=2)
     torch._dynamo.reset()
     with torch.no_grad():
         # aot_eager runs AOTAutograd, which reads the metadata (and asserts it is consistent)

@@ -12,7 +12,7 @@ import torch
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from patterns._common import init_weights
+from form_catalog._common import init_weights
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 ROUTER, LOCAL, RANK = 8, 4, 1

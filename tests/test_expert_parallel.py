@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from patterns import dynamo_config
-from patterns import expert_parallel_sparse_loop as ep
+from form_catalog import dynamo_config
+from form_catalog import expert_parallel_sparse_loop as ep
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 from tests.test_gaudi_contract import ROOT, SCRIPT
 

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import form_catalog
 import moe_passes
-import patterns
+from form_catalog import static_dense_loop, vllm_fused_moe
 from moe_passes.report import Report
-from patterns import static_dense_loop, vllm_fused_moe
 from tests.helpers import skip_unless_the_dp_context_breaks
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_FILE = str(ROOT / "patterns" / "vllm_fused_moe.py")
+VLLM_FILE = str(ROOT / "form_catalog" / "vllm_fused_moe.py")
 
 
 def run_each_layer(options: dict, num_layers: int, dp_metadata: bool = False) -> Report:
@@ -101,9 +101,9 @@ def _line_of(snippet: str) -> int:
     ],
 )
 def test_declines_name_the_node_where_matching_stopped(name, stopped_op):
-    form = patterns.catalog()[name]
+    form = form_catalog.catalog()[name]
     model, inputs = form.build(layers=1)
-    with patterns.dynamo_config(form):
+    with form_catalog.dynamo_config(form):
         report = moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})
     (declined,) = report.declined
     (graph,) = report.graphs
@@ -150,7 +150,7 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 EXPLAIN_ONE_FORM = """
     import moe_passes
-    from patterns import near_miss_input_scaled, static_dense_loop
+    from form_catalog import near_miss_input_scaled, static_dense_loop
     for form in (static_dense_loop, near_miss_input_scaled):
         model, inputs = form.build(layers=1)
         moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from tests import hpu_contract
     hpu_contract.register_fake_gaudi_bridge()
-    from patterns import catalog, dynamo_config
+    from form_catalog import catalog, dynamo_config
     from tests.helpers import RecordingInner, eager_output
     from moe_passes.explain import explain_and_run
 

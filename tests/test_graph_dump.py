@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from form_catalog import FORMS, catalog
 from moe_passes.graph_dump import main
 from moe_passes.graph_dump.html import dot_available, graph_to_dot
 from moe_passes.report import REPORT_KEYS, Report
-from patterns import FORMS, catalog
 from tests.helpers import skip_unless_dynamo_slices_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def check_formats(data: dict, out: Path) -> Report:
 @pytest.mark.parametrize("name", FORMS)
 def test_every_catalog_form_in_every_format(name, capsys, tmp_path):
     skip_unless_dynamo_slices_for(name)
-    data, out, _ = dump(capsys, tmp_path, f"patterns:{name}")
+    data, out, _ = dump(capsys, tmp_path, f"catalog:{name}")
     report = check_formats(data, out)
     expected = catalog()[name].EXPECTED
     assert len(report.fused) == expected.fused and len(report.declined) == expected.declined, str(report)
@@ -73,7 +73,7 @@ def test_every_catalog_form_in_every_format(name, capsys, tmp_path):
     if expected.graph_breaks:
         assert report.graph_breaks and all(b.user_stack for b in report.graph_breaks)
         assert any(
-            f.file.endswith(f"{name}.py") or "patterns" in f.file
+            f.file.endswith(f"{name}.py") or "form_catalog" in f.file
             for b in report.graph_breaks
             for f in b.user_stack
         )
@@ -102,33 +102,33 @@ def test_transformers_families_in_every_format(family, implementation, capsys, t
 
 
 def test_text_is_coloured_only_when_asked(capsys):
-    assert main(["patterns:hf_batched_mm", "--layers", "1", "--color", "always"]) == 0
+    assert main(["catalog:hf_batched_mm", "--layers", "1", "--color", "always"]) == 0
     assert "\033[" in capsys.readouterr().out
-    assert main(["patterns:hf_batched_mm", "--layers", "1"]) == 0  # auto: stdout is not a terminal here
+    assert main(["catalog:hf_batched_mm", "--layers", "1"]) == 0  # auto: stdout is not a terminal here
     assert "\033[" not in capsys.readouterr().out
 
 
 def test_regional_compile_of_vllm_style_layers_shows_recompiles_and_the_fix(capsys, tmp_path):
     data, _, _ = dump(
-        capsys, tmp_path, "patterns:vllm_fused_moe", "--layers", "3", "--regional", "--no-adapters"
+        capsys, tmp_path, "catalog:vllm_fused_moe", "--layers", "3", "--regional", "--no-adapters"
     )
     assert data["recompile_count"] == 2 and data["fused"] == []
     assert all("layer_name" in r["guard_failures"][0] for r in data["recompiles"])
-    data, _, _ = dump(capsys, tmp_path, "patterns:vllm_fused_moe", "--layers", "3", "--regional")
+    data, _, _ = dump(capsys, tmp_path, "catalog:vllm_fused_moe", "--layers", "3", "--regional")
     assert (data["compile_count"], data["recompile_count"], data["graph_break_count"]) == (1, 0, 0)
     assert len(data["fused"]) == 1  # one graph, one fused call, serving all three layers
 
 
 BAD_TARGETS = [
-    (["patterns:no_such_form"], "unknown catalog form 'no_such_form'"),
+    (["catalog:no_such_form"], "unknown catalog form 'no_such_form'"),
     (["hf:no_such_family"], "transformers has no model type 'no_such_family'"),
     (["hf:mixtral", "--experts-implementation", "fancy"], "experts implementation must be one of"),
     (["no_such_module_xyz:build"], "cannot import no_such_module_xyz"),
     (["tests.test_graph_dump:failing_factory"], "tests.test_graph_dump:failing_factory() failed: ValueError"),
     (["tests.test_graph_dump:not_a_pair"], "must return (model, example_inputs)"),
     (["tests.test_graph_dump:model_that_fails"], "running tests.test_graph_dump:model_that_fails failed"),
-    (["just-a-word"], "is not patterns:<name>, hf:<model_type> or package.module:callable"),
-    (["patterns:static_dense_loop", "--regional"], "found no layer list"),
+    (["just-a-word"], "is not catalog:<name>, hf:<model_type> or package.module:callable"),
+    (["catalog:static_dense_loop", "--regional"], "found no layer list"),
 ]
 
 
@@ -164,7 +164,7 @@ def test_user_callable_target(capsys, tmp_path):
     module.write_text(
         textwrap.dedent(
             """
-            from patterns import hf_batched_mm
+            from form_catalog import hf_batched_mm
 
             def build():
                 return hf_batched_mm.build(layers=1)
@@ -190,7 +190,7 @@ def test_console_script_runs_from_a_clean_process(tmp_path):
         pytest.skip("moe-graph-dump is not installed in this environment (pip install -e .)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [script, "patterns:near_miss_exact_gelu", "--layers", "1", "--html", str(tmp_path / "page.html")],
+        [script, "catalog:near_miss_exact_gelu", "--layers", "1", "--html", str(tmp_path / "page.html")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -226,7 +226,7 @@ def test_html_page_renders_in_a_headless_browser(capsys, tmp_path):
         assert dot_available(), "CI must install graphviz (.ci/run) so that graphs are drawn"
     pages = {}
     for name in ("hf_batched_mm", "near_miss_exact_gelu"):
-        data, out, _ = dump(capsys, tmp_path / name, f"patterns:{name}", "--layers", "2")
+        data, out, _ = dump(capsys, tmp_path / name, f"catalog:{name}", "--layers", "2")
         pages[name] = (data, out / "report.html")
     for data, page in pages.values():
         dom = subprocess.run(

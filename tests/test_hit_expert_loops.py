@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from form_catalog import catalog
+from form_catalog.hf4_hit_expert_loop import HitExpertLoopMoE
 from moe_passes.adapters import hit_expert_loops
-from patterns import catalog
-from patterns.hf4_hit_expert_loop import HitExpertLoopMoE
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 FORM = catalog()["hf4_hit_expert_loop"]
@@ -50,7 +50,7 @@ def test_unchosen_experts_really_occur_in_the_decode_case():
 def test_plain_dynamo_and_eager_keep_the_original_loop():
     model, inputs = FORM.build()
     run_hpu_moe(model, inputs)  # installs the adapter on the class
-    assert "patterns.hf4_hit_expert_loop.HitExpertLoopMoE" in hit_expert_loops_adapted()
+    assert "form_catalog.hf4_hit_expert_loop.HitExpertLoopMoE" in hit_expert_loops_adapted()
     torch._dynamo.reset()
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(*inputs)

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import moe_passes
+from form_catalog import catalog, dynamo_config
 from moe_passes.report import collecting
-from patterns import catalog, dynamo_config
 from tests.helpers import RecordingInner, assert_close_for_dtype, eager_output, run_hpu_moe
 
 FORMS = catalog()

@@ -212,7 +212,7 @@ def test_inductor_launches_the_kernel_from_its_generated_code():
     from torch._inductor.utils import run_and_get_code
 
     import moe_passes
-    from patterns import hf_grouped_mm
+    from form_catalog import hf_grouped_mm
 
     torch._dynamo.reset()
     model, _ = hf_grouped_mm.build(hidden=64, intermediate=48, num_experts=8, top_k=2, layers=1)
@@ -238,7 +238,7 @@ def test_compiled_tma_kernel_runs_in_a_thread_that_never_set_an_allocator():
     import threading
 
     import moe_passes
-    from patterns import hf_grouped_mm
+    from form_catalog import hf_grouped_mm
 
     torch._dynamo.reset()
     model, _ = hf_grouped_mm.build(hidden=64, intermediate=48, num_experts=8, top_k=2, layers=1)

@@ -15,27 +15,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from patterns import catalog, dynamo_config
-from patterns._gpt_oss4 import GptOss4Experts
-from patterns._stacked_experts import SparseMoeBlock
-from patterns.hf_batched_mm import batched_linear
-from patterns.hf_grouped_mm import _grouped_mm, _tokens_per_expert
-from patterns.modulelist_dense_mask import MaskedLoopMoE, expert_weight
-from patterns.static_dense_loop import StaticMoE, expert_matmul, silu_and_mul
+from form_catalog import catalog, dynamo_config
+from form_catalog._gpt_oss4 import GptOss4Experts
+from form_catalog._stacked_experts import SparseMoeBlock
+from form_catalog.hf_batched_mm import batched_linear
+from form_catalog.hf_grouped_mm import _grouped_mm, _tokens_per_expert
+from form_catalog.modulelist_dense_mask import MaskedLoopMoE, expert_weight
+from form_catalog.static_dense_loop import StaticMoE, expert_matmul, silu_and_mul
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 FORMS = catalog()
 # Forms captured only through an adapter have their own near misses (tests/test_hit_expert_loops.py):
 # the mutated forwards here are written as the range(E) loop, not as the adapted source.
-# Forms mirrored from other code bases keep their source's own forward, which the mutated forwards below
-# (written per catalog family) do not reproduce; their near misses are the fuzz's spelling dimension
-# (tests/fuzz_models.py) and their own near-miss forms (near_miss_torchtitan_score_before_experts).
-OTHER_CODE_BASES = ("mistral_where_loop", "torchtitan_grouped_experts", "gpt_fast_gathered_einsum", "sglang_native_einsum",
-                    "megatron_sequential_mlp", "vllm_omni_dense_einsum")
+# Forms mirrored from other code bases keep their source's own forward (they say `MUTATED = False`), which
+# the mutated forwards below (written per catalog family) do not reproduce; their near misses are the
+# fuzz's spelling dimension (tests/fuzz_models.py) and their own near-miss forms.
 FUSED = [
     name
     for name, form in FORMS.items()
-    if form.EXPECTED.fused and not getattr(form, "ADAPTER", None) and name not in OTHER_CODE_BASES
+    if form.EXPECTED.fused and not getattr(form, "ADAPTER", None) and getattr(form, "MUTATED", True)
 ]
 TAP = 0.1  # the weight of a value tapped out of the MoE region
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from form_catalog import catalog
+from form_catalog.aria4_offset_segments import offset_matmul
 from moe_passes.adapters import offset_slices
-from patterns import catalog
-from patterns.aria4_offset_segments import offset_matmul
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import moe_passes
+from form_catalog import catalog
 from moe_passes.backend import DEFAULT_PASSES, rewrite_graph
 from moe_passes.explain import explain_and_run
 from moe_passes.printer import is_fused_moe
 from moe_passes.report import GraphRecord
-from patterns import catalog
 from tests.helpers import assert_close_for_dtype, eager_output
 
 

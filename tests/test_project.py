@@ -46,7 +46,7 @@ def test_development_commands_take_the_cpu_wheel_through_the_constraints_file():
         assert "-c dev-constraints.txt" in command
 
 
-def test_patterns_and_tools_are_not_installed_as_top_level_packages():
+def test_the_catalog_and_tools_are_not_installed_as_top_level_packages():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'include = ["moe_passes", "moe_passes.*"]' in text
 

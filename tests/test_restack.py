@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import moe_passes
+from form_catalog import dynamo_config, mixtral4_sparse_loop
 from moe_passes.stacks import movable, restack
 from moe_passes.stacks import stacked_view as _stacked_view
-from patterns import dynamo_config, mixtral4_sparse_loop
 
 
 def _experts(model):
@@ -41,7 +41,7 @@ def test_modulelist_weights_become_one_stack_and_stay_right_when_changed():
 
 
 def test_stacked_weights_are_left_alone():
-    from patterns import static_dense_loop
+    from form_catalog import static_dense_loop
 
     model, (x,) = static_dense_loop.build(num_experts=4)
     torch._dynamo.reset()

@@ -9,10 +9,10 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import moe_passes
+from form_catalog import static_dense_loop
 from moe_passes import kernels, routing_op
 from moe_passes.passes import routing_fusion
 from moe_passes.steps import COUNTERS
-from patterns import static_dense_loop
 
 aten = torch.ops.aten
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from form_catalog import catalog
+from form_catalog.granite4_segments import SegmentGate, SegmentMoE
 from moe_passes.adapters import hit_expert_loops
-from patterns import catalog
-from patterns.granite4_segments import SegmentGate, SegmentMoE
 from tests.helpers import (
     assert_close_for_dtype,
     dynamo_breaks_on_tolist,
@@ -154,7 +154,7 @@ class SplitModuleListMoE(torch.nn.Module):
 
     def __init__(self, cfg: dict):
         super().__init__()
-        from patterns._common import GatedMLP, Router
+        from form_catalog._common import GatedMLP, Router
 
         self.num_experts = cfg["num_experts"]
         self.router = Router(cfg)
@@ -186,7 +186,7 @@ class InPlaceWeightedMoE(SplitModuleListMoE):
 @pytest.mark.parametrize("moe_class", [SplitModuleListMoE, InPlaceWeightedMoE], ids=["product", "in_place"])
 @pytest.mark.parametrize("overrides", [dict(), dict(tokens=1, num_experts=6), dict(top_k=1)], ids=["default", "decode", "top1"])
 def test_whole_expert_mlps_on_split_segments_put_back_by_the_permutation_are_fused(moe_class, overrides):
-    from patterns._common import TinyDecoder, finish, settings
+    from form_catalog._common import TinyDecoder, finish, settings
 
     cfg = settings({"layers": 1, **overrides})
     model, inputs = finish(TinyDecoder(moe_class, cfg), cfg)
@@ -210,7 +210,7 @@ def test_outputs_added_into_another_tensor_are_not_fused():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Megatron-core's expert-major permutation (patterns/megatron_sequential_mlp.py): other spellings of it
+# Megatron-core's expert-major permutation (form_catalog/megatron_sequential_mlp.py): other spellings of it
 
 
 MEGATRON = catalog()["megatron_sequential_mlp"]

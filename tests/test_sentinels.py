@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from patterns import hf517_batched_mm, hf517_grouped_mm
-from patterns._common import init_weights
-from patterns._stacked_experts import StackedExperts
+from form_catalog import hf517_batched_mm, hf517_grouped_mm
+from form_catalog._common import init_weights
+from form_catalog._stacked_experts import StackedExperts
 from tests.helpers import assert_close_for_dtype, run_hpu_moe
 
 CFG = dict(num_experts=4, hidden=16, intermediate=8, activation="silu")

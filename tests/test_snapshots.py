@@ -8,8 +8,8 @@ from __future__ import annotations
 import expecttest
 import torch
 
+from form_catalog import catalog, dynamo_config
 from moe_passes.printer import format_fused_calls, format_graph
-from patterns import catalog, dynamo_config
 from tests.helpers import run_hpu_moe, skip_unless_dynamo_slices_for
 
 
@@ -20,6 +20,16 @@ def rewritten_graph(name: str, **overrides) -> torch.fx.GraphModule:
         _, _, recorder = run_hpu_moe(model, inputs)
     (graph,) = recorder.graphs
     return graph
+
+
+def test_every_fused_catalog_form_has_a_snapshot():
+    """A form the rewrite fuses is pinned here (a near miss is pinned by its decline reason: EXPECTED)."""
+    methods = [name for name in dir(TestRewrittenGraphs) if name.startswith("test_")]
+    missing = [
+        name for name, form in catalog().items()
+        if form.EXPECTED.fused and not any(m == f"test_{name}" or m.startswith(f"test_{name}_") for m in methods)
+    ]
+    assert not missing, f"add a snapshot method to TestRewrittenGraphs for {missing} (docs/adding_a_form.md)"
 
 
 class TestRewrittenGraphs(expecttest.TestCase):
@@ -486,6 +496,31 @@ graph(in0, in1, in2, in3, in4, in5):
   %5 = aten.mul.Tensor(%4, 2.5)
   %6 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %3, %5, in4, in5, True, 'silu', 0, 3)""",
         )
+
+    def test_granite4_segments(self):
+        """GraniteMoE's segments: one fused call."""
+        self.assertExpectedInline(format_fused_calls(rewritten_graph("granite4_segments")), """\
+graph(in0, in1, in2, in3):
+  %0 = getitem(in0, 0)
+  %1 = aten.reshape(%0, [-1, 16])
+  %2 = aten.topk(in1, 2, 1)
+  %3 = getitem(%2, 0)
+  %4 = getitem(%2, 1)
+  %5 = aten._softmax(%3, 1, False)
+  %6 = moe_passes.mixture_of_experts.stacked_fused_weights(%1, %4, %5, in2, in3, True, 'silu', 0, 3)""")
+
+    def test_expert_parallel_sparse_loop(self):
+        """A rank's range of experts: one call on the router's own ids, with the held window."""
+        self.assertExpectedInline(format_fused_calls(rewritten_graph("expert_parallel_sparse_loop")), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7):
+  %0 = getitem(in0, 0)
+  %1 = aten.topk(in1, 2)
+  %2 = getitem(%1, 0)
+  %3 = getitem(%1, 1)
+  %4 = aten.sum.dim_IntList(%2, [-1], True)
+  %5 = aten.div.Tensor(%2, %4)
+  %6 = aten.reshape(%0, [-1, 16])
+  %7 = moe_passes.mixture_of_experts(%6, %3, %5, [in2, in3], [in4, in5], [in6, in7], True, 'silu', 2, 3)""")
 
     def test_near_miss_is_left_as_captured(self):
         graph = rewritten_graph("near_miss_input_scaled", num_experts=2)

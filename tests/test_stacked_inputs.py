@@ -9,11 +9,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_passes
+from form_catalog import dynamo_config, mixtral4_sparse_loop
 from moe_passes import backend_passes, weight_stacks
 from moe_passes.stacks import stacked_view as _stacked_view
 from moe_passes.steps import COUNTERS
 from moe_passes.weight_stacks import InputPlan, StackedGroup
-from patterns import dynamo_config, mixtral4_sparse_loop
 
 PORTABLE_INDUCTOR = {"inner": "inductor", "target": "portable"}
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from form_catalog import catalog
 from moe_passes.options import Options
-from patterns import catalog
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
 FORMS = catalog()

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from form_catalog._common import init_weights
 from moe_passes.explain import explain, explain_and_run
-from patterns._common import init_weights
 from tests.helpers import RecordingInner, assert_close_for_dtype
 
 E, H, INTER, T = 4, 16, 8, 3

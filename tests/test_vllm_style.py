@@ -20,10 +20,10 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 import moe_passes
+from form_catalog import vllm_fused_moe
 from moe_passes.explain import explain_and_run
 from moe_passes.printer import is_fused_moe
 from moe_passes.report import collecting
-from patterns import vllm_fused_moe
 from tests.helpers import skip_unless_the_dp_context_breaks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,7 @@ def test_adapters_can_be_turned_off_by_environment():
         sys.path.insert(0, {str(ROOT)!r})
         from torch._dynamo.utils import counters
         import moe_passes
-        from patterns import vllm_fused_moe
+        from form_catalog import vllm_fused_moe
         model, (x,) = vllm_fused_moe.build(num_layers=10)
         layers = [torch.compile(l, backend="hpu_moe", options={PORTABLE_EAGER!r}) for l in model.layers]
         with torch.no_grad(), vllm_fused_moe.set_forward_context(model):
@@ -174,7 +174,7 @@ def test_dynamic_token_counts_do_not_recompile():
 def test_explicit_adapt_reports_what_it_adapted():
     model, _ = vllm_fused_moe.build(num_layers=1)
     moe_passes.adapt(model)  # idempotent: the class is already adapted by discovery
-    assert moe_passes.adapters.adapted_classes()["patterns.vllm_fused_moe.FusedMoE"].startswith("vllm-style")
+    assert moe_passes.adapters.adapted_classes()["form_catalog.vllm_fused_moe.FusedMoE"].startswith("vllm-style")
     with pytest.raises(TypeError, match="nn.Module"):
         moe_passes.adapt("model")
 

@@ -6,7 +6,7 @@ and transformers, so it cannot share the main suite's environment, and these mir
 convention the adapter knows tested there. What the adapter detects and
 hooks is mirrored from vLLM's sources, release by release: the class layout, the attribute holding the opaque op, `_encode_layer_name`,
 the op's body (find the layer by name in the forward context, run the impl), and the impl's signature.
-The MoE compute is the catalog's (`patterns/vllm_fused_moe.py`: vLLM's routing and the Gaudi static
+The MoE compute is the catalog's (`form_catalog/vllm_fused_moe.py`: vLLM's routing and the Gaudi static
 expert loop), so the hpu_moe passes can fuse it. Each factory returns fresh classes, so that a test can
 adapt (or not) classes of its own.
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patterns import vllm_fused_moe
+from form_catalog import vllm_fused_moe
 
 HIDDEN, EXPERTS, INTERMEDIATE, TOP_K = 16, 4, 32, 2
 OP_CALLS = {"moe_forward": 0}

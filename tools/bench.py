@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import form_catalog  # noqa: E402
 import moe_passes  # noqa: E402
-import patterns  # noqa: E402
 from moe_passes import fused_op, reference  # noqa: E402
 
-FUSED_FORMS = [name for name, form in patterns.catalog().items() if form.EXPECTED.fused]
+FUSED_FORMS = [name for name, form in form_catalog.catalog().items() if form.EXPECTED.fused]
 
 
 def _sync(device: str) -> None:
@@ -94,11 +94,11 @@ def check_op(device: str) -> None:
 
 
 def bench_form(name: str, sizes: dict, device: str, dtype: torch.dtype, inner: str, iters: int) -> dict:
-    model, inputs = patterns.catalog()[name].build(dtype=dtype, **sizes)
+    model, inputs = form_catalog.catalog()[name].build(dtype=dtype, **sizes)
     model = model.to(device)
     inputs = tuple(t.to(device) for t in inputs)
     torch._dynamo.reset()
-    with torch.no_grad(), patterns.dynamo_config(patterns.catalog()[name]):
+    with torch.no_grad(), form_catalog.dynamo_config(form_catalog.catalog()[name]):
         variants = {
             "eager": model,
             inner: torch.compile(model, backend=inner),

@@ -1,6 +1,6 @@
 """Compile cost of the rewrite: `hpu_moe` + inner backend vs the inner backend alone, and the passes' time.
 
-Builds the catalog's transformers grouped-GEMM decoder (`patterns/hf_grouped_mm.py`, tiny sizes) with
+Builds the catalog's transformers grouped-GEMM decoder (`form_catalog/hf_grouped_mm.py`, tiny sizes) with
 8 and 32 layers, compiles it with the inner backend alone and with `hpu_moe` over the same inner
 backend (fresh dynamo state each time, alternating, `--repeat` times) and prints the medians of the
 first call (compile + one run) and the added share. It then times `rewrite_graph` alone (canonical IR,
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import form_catalog  # noqa: E402
 import moe_passes  # noqa: E402
-import patterns  # noqa: E402
 from moe_passes import backend  # noqa: E402
 from moe_passes.options import Options  # noqa: E402
 
@@ -33,7 +33,7 @@ SIZES = dict(tokens=8, hidden=64, intermediate=32, num_experts=8, top_k=2)
 
 def first_call_s(layers: int, use_hpu_moe: bool, inner: str) -> float:
     """Seconds for torch.compile + the first call (what compiling costs the user), fresh dynamo state."""
-    model, inputs = patterns.catalog()[FORM].build(layers=layers, **SIZES)
+    model, inputs = form_catalog.catalog()[FORM].build(layers=layers, **SIZES)
     torch._dynamo.reset()
     backend_ = moe_passes.hpu_moe if use_hpu_moe else inner
     options = {"inner": inner, "target": "portable"} if use_hpu_moe else None
@@ -45,7 +45,7 @@ def first_call_s(layers: int, use_hpu_moe: bool, inner: str) -> float:
 
 def passes_time(layers: int, repeat: int) -> dict:
     """Median seconds of `rewrite_graph` on the captured graph of a `layers`-layer model, and its size."""
-    model, inputs = patterns.catalog()[FORM].build(layers=layers, **SIZES)
+    model, inputs = form_catalog.catalog()[FORM].build(layers=layers, **SIZES)
     captured = []
 
     def keep(gm, example_inputs):

@@ -4,9 +4,9 @@ Mixtral-8x7B sizes (H 4096, I 14336, E 8, top-2) and Qwen3-30B-A3B sizes (H 2048
 bfloat16, tokens T in {1, 16, 128, 1024, 8192}, one set of weights and one router for every form:
 - the transformers block with its `experts_implementation` "eager" (loop over hit experts, not
   compiled), "grouped_mm" and "batched_mm";
-- the static dense loop over stacked weights (`patterns/static_dense_loop.py`);
+- the static dense loop over stacked weights (`form_catalog/static_dense_loop.py`);
 - the grouped_mm form on stacks stored transposed ([E, H, 2I], [E, I, H]);
-- a ModuleList of per-expert Linears run on their routed tokens (`patterns/mixtral4_sparse_loop.py`).
+- a ModuleList of per-expert Linears run on their routed tokens (`form_catalog/mixtral4_sparse_loop.py`).
 Each compiled form runs under inductor ("<form>+inductor") and under `hpu_moe` with the portable target
 and inner inductor ("hpu_moe[<form>]"), where the layer becomes one `torch.ops.moe_passes.mixture_of_experts`
 call. The limit is max(routed expert weight bytes / HBM bandwidth, FLOPs / bf16 matmul throughput),
@@ -38,10 +38,10 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import moe_passes  # noqa: E402
-from patterns import hf_grouped_mm, mixtral4_sparse_loop, static_dense_loop  # noqa: E402
-from patterns._common import settings  # noqa: E402
-from patterns._sparse_loop import SparseLoopMoE  # noqa: E402
-from patterns._stacked_experts import SparseMoeBlock  # noqa: E402
+from form_catalog import hf_grouped_mm, mixtral4_sparse_loop, static_dense_loop  # noqa: E402
+from form_catalog._common import settings  # noqa: E402
+from form_catalog._sparse_loop import SparseLoopMoE  # noqa: E402
+from form_catalog._stacked_experts import SparseMoeBlock  # noqa: E402
 from tools.bench_kernel import kernel_us, limit_ms, measure_ceilings, time_ms  # noqa: E402
 
 MODELS = {

@@ -1,4 +1,4 @@
-"""Measure the wild corpus (patterns/corpus/): what `backend="hpu_moe"` does with each entry, as written.
+"""Measure the wild corpus (form_catalog/corpus/): what `backend="hpu_moe"` does with each entry, as written.
 
 Each entry is compiled as a user would, `torch.compile(model, backend="hpu_moe")` with default dynamo
 settings (inner backend eager, for speed; the rewrite does not depend on it), in a process of its own,
@@ -38,8 +38,8 @@ def measure(name: str) -> dict:
     """The outcome of one entry (run in this process)."""
     import torch
 
+    from form_catalog.corpus import entries
     from moe_passes.explain import explain_and_run
-    from patterns.corpus import entries
 
     module = entries()[name]
     row = {"entry": name, "source": str(module.SOURCE)}
@@ -137,7 +137,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(measure(args.one)))
         return 0
-    from patterns.corpus import entries
+    from form_catalog.corpus import entries
 
     known = entries()
     names = args.entries or list(known)

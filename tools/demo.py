@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import form_catalog  # noqa: E402
 import moe_passes  # noqa: E402
-import patterns  # noqa: E402
 
 # Large enough that expert work dominates, small enough for a 2-core machine.
 DEMO_SIZES = dict(tokens=64, hidden=256, intermediate=512, num_experts=16, top_k=2, layers=2)
@@ -37,14 +37,14 @@ def _time(fn, args, iters: int) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--form", default="static_dense_loop", choices=sorted(patterns.catalog()))
+    parser.add_argument("--form", default="static_dense_loop", choices=sorted(form_catalog.catalog()))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--inner", default="inductor", help="inner backend for both compiled variants")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    form = patterns.catalog()[args.form]
+    form = form_catalog.catalog()[args.form]
     model, inputs = form.build(**DEMO_SIZES)
     sizes = ", ".join(f"{k}={v}" for k, v in DEMO_SIZES.items())
     print(f"form: {args.form}  ({sizes}, {torch.get_num_threads()} CPU threads)")

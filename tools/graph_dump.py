@@ -1,6 +1,6 @@
 """`python tools/graph_dump.py TARGET [options]`: the `moe-graph-dump` console script from a checkout.
 
-python tools/graph_dump.py patterns:hf_grouped_mm --html dump.html
+python tools/graph_dump.py catalog:hf_grouped_mm --html dump.html
 """
 
 import os

@@ -1,6 +1,6 @@
 """A PNG picture of a `moe-graph-dump` HTML page, taken by headless chromium (the README's picture).
 
-    python tools/graph_dump_picture.py patterns:hf_batched_mm docs/graph_dump.png -- --layers 1
+    python tools/graph_dump_picture.py catalog:hf_batched_mm docs/graph_dump.png -- --layers 1
 
 Arguments after `--` go to moe-graph-dump. Needs chromium (Debian: apt-get install chromium) and, for
 the graph pictures, graphviz.

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import form_catalog  # noqa: E402
 import moe_passes  # noqa: E402
-import patterns  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(moe_passes.__file__))
 DISPATCH = os.path.join(PACKAGE, "pass_manager.py")  # runs the declared passes: not a place a reader goes
@@ -76,7 +76,7 @@ def measure(form_name: str) -> tuple[list[str], set[str]]:
             note(sys._getframe(1))
         return emitted(self, target, *args, **kwargs)
 
-    form = patterns.catalog()[form_name]
+    form = form_catalog.catalog()[form_name]
     model, inputs = form.build()
     torch._dynamo.reset()
     moe_passes.install_discovery_hook()  # reset() clears it
@@ -84,7 +84,7 @@ def measure(form_name: str) -> tuple[list[str], set[str]]:
     sys.setprofile(profiler)
     torch.fx.Graph.call_function = watched_call_function
     try:
-        with torch.no_grad(), patterns.dynamo_config(form):
+        with torch.no_grad(), form_catalog.dynamo_config(form):
             compiled(*inputs)
     finally:
         sys.setprofile(None)
@@ -103,7 +103,7 @@ def _module_of(name: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--form", default="hf_grouped_mm", choices=sorted(patterns.catalog()))
+    parser.add_argument("--form", default="hf_grouped_mm", choices=sorted(form_catalog.catalog()))
     args = parser.parse_args(argv)
     functions, entered = measure(args.form)
     modules = []

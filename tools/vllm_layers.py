@@ -24,8 +24,8 @@ from torch._dynamo.backends.registry import lookup_backend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import moe_passes  # noqa: E402
+from form_catalog import vllm_fused_moe  # noqa: E402
 from moe_passes.printer import is_fused_moe  # noqa: E402
-from patterns import vllm_fused_moe  # noqa: E402
 
 
 class FusedRunCounter:

@@ -1,11 +1,11 @@
 """`moe-graph-dump TARGET [options]`: compile a model with hpu_moe and show what happened to it.
 
-    moe-graph-dump patterns:hf_grouped_mm                       # text report on the terminal
+    moe-graph-dump catalog:hf_grouped_mm                       # text report on the terminal
     moe-graph-dump hf:qwen3_moe --layers 1 --json               # the same content as JSON
-    moe-graph-dump patterns:near_miss_exact_gelu --html gelu.html
-    moe-graph-dump patterns:vllm_fused_moe --regional --no-adapters --out dump/   # every format
+    moe-graph-dump catalog:near_miss_exact_gelu --html gelu.html
+    moe-graph-dump catalog:vllm_fused_moe --regional --no-adapters --out dump/   # every format
 
-TARGET is patterns:<name> (a catalog form), hf:<model_type> (a tiny random transformers model) or
+TARGET is catalog:<name> (a catalog form), hf:<model_type> (a tiny random transformers model) or
 package.module:callable (returning (model, example_inputs)). Exit status: 0 when the dump was made,
 1 when the target could not be built or run, 2 for bad arguments.
 """
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "target", metavar="TARGET", help="patterns:<name>, hf:<model_type> or package.module:callable"
+        "target", metavar="TARGET", help="catalog:<name>, hf:<model_type> or package.module:callable"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     p.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page")
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--regional", action="store_true", help="compile each layer of the model's layer list alone"
     )
-    p.add_argument("--layers", type=int, help="number of layers (patterns: and hf: targets)")
+    p.add_argument("--layers", type=int, help="number of layers (catalog: and hf: targets)")
     p.add_argument("--experts-implementation", help="hf: targets: grouped_mm (default), batched_mm or eager")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     return p

@@ -1,6 +1,6 @@
 """What `moe-graph-dump TARGET` compiles: a catalog form, a tiny transformers model, or a user callable.
 
-    patterns:<name>            a module of the catalog (`patterns/`, in the repository checkout)
+    catalog:<name>            a module of the catalog (`form_catalog/`, in the repository checkout)
     hf:<model_type>            a tiny random transformers model of that family (moe_passes.tiny_models)
     package.module:callable    a callable returning (model, example_inputs) or (model, args, kwargs)
 
@@ -47,16 +47,16 @@ def load(spec: str, *, layers: int | None = None, experts_implementation: str | 
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
         raise TargetError(
-            f"target {spec!r} is not patterns:<name>, hf:<model_type> or package.module:callable"
+            f"target {spec!r} is not catalog:<name>, hf:<model_type> or package.module:callable"
         )
     if experts_implementation is not None and kind != "hf":
         raise TargetError("--experts-implementation applies to hf:<model_type> targets only")
-    if kind == "patterns":
-        return _pattern(name, layers)
+    if kind in ("catalog", "patterns"):  # "patterns:" is what the catalog was called before form_catalog/
+        return _catalog_form(name, layers)
     if kind == "hf":
         return _transformers(name, layers, experts_implementation)
     if layers is not None:
-        raise TargetError("--layers applies to patterns: and hf: targets only")
+        raise TargetError("--layers applies to catalog: and hf: targets only")
     return _callable(kind, name, spec)
 
 
@@ -66,28 +66,28 @@ def _importable_here() -> None:
         sys.path.insert(0, cwd)
 
 
-def _pattern(name: str, layers: int | None) -> Target:
+def _catalog_form(name: str, layers: int | None) -> Target:
     _importable_here()
     try:
-        patterns = importlib.import_module("patterns")
+        form_catalog = importlib.import_module("form_catalog")
     except ImportError as error:
-        raise TargetError(f"the catalog (patterns/) is not importable from here: {error}") from None
+        raise TargetError(f"the catalog (form_catalog/) is not importable from here: {error}") from None
     try:
-        form = importlib.import_module(f"patterns.{name}")
+        form = importlib.import_module(f"form_catalog.{name}")
     except ModuleNotFoundError:
-        known = ", ".join(patterns.FORMS)
+        known = ", ".join(form_catalog.FORMS)
         raise TargetError(f"unknown catalog form {name!r}; known forms: {known}") from None
     if not callable(getattr(form, "build", None)):
-        raise TargetError(f"patterns.{name} has no build() function")
+        raise TargetError(f"form_catalog.{name} has no build() function")
     overrides = {} if layers is None else {"layers": layers}
     try:
         model, example_inputs = form.build(**overrides)
     except Exception as error:  # noqa: BLE001 - reported as one line
-        raise TargetError(f"patterns.{name}.build() failed: {_one_line(error)}") from None
-    contexts = [lambda: patterns.dynamo_config(form)]
+        raise TargetError(f"form_catalog.{name}.build() failed: {_one_line(error)}") from None
+    contexts = [lambda: form_catalog.dynamo_config(form)]
     if hasattr(form, "forward_context"):
         contexts.append(lambda: form.forward_context(model, example_inputs))
-    return Target(f"patterns:{name}", model, tuple(example_inputs), {}, contexts)
+    return Target(f"catalog:{name}", model, tuple(example_inputs), {}, contexts)
 
 
 def _transformers(family: str, layers: int | None, implementation: str | None) -> Target:

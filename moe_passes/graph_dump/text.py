@@ -187,7 +187,7 @@ def render_text(report: Report, target: str, color: bool = False, graphs: bool =
 
 def relative_to_cwd(text: str) -> str:
     """Paths under the current directory, or of installed packages, shown relative to it (short, and the
-    same on every checkout): "patterns/x.py", "transformers/models/..."."""
+    same on every checkout): "form_catalog/x.py", "transformers/models/..."."""
     for prefix in (os.getcwd(), sysconfig.get_paths()["purelib"]):
         text = text.replace(prefix.rstrip("/") + "/", "")
     return text

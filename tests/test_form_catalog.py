@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import patterns
-from patterns import Expected, catalog, dynamo_config
-from patterns._common import Router
-from patterns._gpt_oss4 import GptOss4Router
-from patterns.aria4_offset_segments import OffsetRouter
-from patterns.granite4_segments import SegmentGate
-from patterns.near_miss_llama4_dense_bmm import Llama4Router
+import form_catalog
+from form_catalog import Expected, catalog, dynamo_config
+from form_catalog._common import Router
+from form_catalog._gpt_oss4 import GptOss4Router
+from form_catalog.aria4_offset_segments import OffsetRouter
+from form_catalog.granite4_segments import SegmentGate
+from form_catalog.near_miss_llama4_dense_bmm import Llama4Router
 from tests.helpers import dynamo_breaks_on_tolist
 
 FORMS = catalog()
@@ -73,10 +73,10 @@ def accepts(form, key: str, value="silu") -> bool:
 
 
 def test_the_catalog_discovers_every_form_module_in_name_order():
-    modules = sorted(p.stem for p in Path(patterns.__file__).parent.glob("[!_]*.py"))
+    modules = sorted(p.stem for p in Path(form_catalog.__file__).parent.glob("[!_]*.py"))
     assert NAMES == sorted(NAMES) == [m for m in modules if m != "vllm_fused_moe"]
     assert len(NAMES) >= 36 and {"static_dense_loop", "hf_grouped_mm", "near_miss_deepspeed_capacity"} <= set(NAMES)
-    assert all(FORMS[name].__name__ == f"patterns.{name}" for name in NAMES)
+    assert all(FORMS[name].__name__ == f"form_catalog.{name}" for name in NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -227,3 +227,27 @@ def test_clamped_swiglu_near_miss_clamps_for_real(monkeypatch):
     clamped = run(model, inputs)
     monkeypatch.setattr(form, "SWIGLU_LIMIT", float("inf"))
     assert (run(model, inputs) - clamped).abs().max() > 1e-3
+
+
+def test_the_old_catalog_name_still_imports_and_names_the_new_one_for_modules():
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings
+sys.path.insert(0, ".")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from patterns import catalog
+assert "form_catalog" in str(caught[0].message) and len(catalog()) > 30
+for statement in ("import patterns.hf_grouped_mm", "from patterns import hf_grouped_mm"):
+    try:
+        exec(statement)
+    except ImportError as error:
+        assert "import form_catalog.hf_grouped_mm" in str(error), error
+    else:
+        raise AssertionError(statement)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

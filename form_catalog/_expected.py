@@ -1,4 +1,4 @@
-"""What the rewrite must do with a catalog form: the contract each `patterns/` module states."""
+"""What the rewrite must do with a catalog form: the contract each `form_catalog/` module states."""
 
 from __future__ import annotations
 

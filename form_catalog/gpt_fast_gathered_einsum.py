@@ -21,6 +21,8 @@ from ._common import ACTIVATIONS, SourceRouter, TinyDecoder, finish, settings
 from ._expected import Expected
 
 EXPECTED = Expected(fused=2, overload="default")
+# Keeps its source's own forward: tests/test_mutations.py's per-family mutated forwards do not apply.
+MUTATED = False
 
 
 class MoeGate(SourceRouter):

@@ -4,7 +4,7 @@ Mirrors transformers 5.23.0 (release wheel) `src/transformers/models/deepseek_v4
 `DeepseekV4Experts._apply_gate` (chunk the packed gate_up halves, `gate.clamp(max=swiglu_limit)`,
 `up.clamp(min=-swiglu_limit, max=swiglu_limit)`, `act_fn(gate) * up`), which the grouped_mm / batched_mm
 backends of `use_experts_implementation` call on their packed output (hy_v4 and glm5_next do the same).
-Here with the batched-GEMM backend of `patterns/hf_batched_mm.py`.
+Here with the batched-GEMM backend of `form_catalog/hf_batched_mm.py`.
 
 The fused kernel's plain overloads compute act(gate) * up with no clamp, and its only clamping overload
 (`bias_fused_weights`, GPT-OSS) computes (up + 1) * gate * sigmoid(alpha * gate) on interleaved rows:

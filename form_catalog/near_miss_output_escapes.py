@@ -1,6 +1,6 @@
 """Near miss: one expert's output is also used outside the MoE sum.
 
-The dense-mask `nn.ModuleList` loop of `patterns/modulelist_dense_mask.py` (after huggingface/
+The dense-mask `nn.ModuleList` loop of `form_catalog/modulelist_dense_mask.py` (after huggingface/
 optimum-habana `optimum/habana/transformers/models/deepseek_v3/modeling_deepseek_v3.py` at commit
 0158412, `GaudiDeepseekV3MoE.forward`), except that the block also adds a tenth of expert 0's
 unweighted output to its result (an auxiliary tap on one expert, as in probing experiments). Fusing

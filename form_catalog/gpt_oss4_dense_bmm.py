@@ -1,6 +1,6 @@
 """transformers 4.55 GPT-OSS (and 4.57 off CPU): every token through every expert, weighted after.
 
-The block is `patterns/_gpt_oss4.py` (which cites the source); this form runs the inference path of
+The block is `form_catalog/_gpt_oss4.py` (which cites the source); this form runs the inference path of
 4.55.4's `GptOssExperts.forward`: `hidden_states.repeat(E, 1).view(E, -1, H)`, `bmm` with the stacked
 gate/up weights plus `gate_up_proj_bias[..., None, :]`, the clamped swiglu on interleaved columns, `bmm`
 with the down weights plus their bias, each expert's output times its column of the [T, E] score table

@@ -28,6 +28,8 @@ from ._expected import Expected
 from .hf_grouped_mm import ALIGNMENT_BYTES
 
 EXPECTED = Expected(fused=2, overload="default")
+# Keeps its source's own forward: tests/test_mutations.py's per-family mutated forwards do not apply.
+MUTATED = False
 
 
 class TokenChoiceRouter(SourceRouter):

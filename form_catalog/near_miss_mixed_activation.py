@@ -1,6 +1,6 @@
 """Near miss: experts that do not share one activation.
 
-The dense-mask `nn.ModuleList` loop of `patterns/modulelist_dense_mask.py` (after huggingface/
+The dense-mask `nn.ModuleList` loop of `form_catalog/modulelist_dense_mask.py` (after huggingface/
 optimum-habana `optimum/habana/transformers/models/deepseek_v3/modeling_deepseek_v3.py` at commit
 0158412, `GaudiDeepseekV3MoE.forward`), except that expert 0 uses GELU (tanh) while the others use
 SiLU, as when experts are assembled from different checkpoints. The kernel takes ONE activation for

@@ -1,6 +1,6 @@
 """Near miss: experts of unequal shapes (one expert has a wider intermediate layer).
 
-The dense-mask `nn.ModuleList` loop of `patterns/modulelist_dense_mask.py` (after huggingface/
+The dense-mask `nn.ModuleList` loop of `form_catalog/modulelist_dense_mask.py` (after huggingface/
 optimum-habana `optimum/habana/transformers/models/deepseek_v3/modeling_deepseek_v3.py` at commit
 0158412, `GaudiDeepseekV3MoE.forward`), except that expert 0 is twice as wide as the others, as in
 pruned or upcycled checkpoints. The kernel takes one [I, H] shape for all experts' weights, so the

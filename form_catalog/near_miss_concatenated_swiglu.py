@@ -4,7 +4,7 @@ Mirrors transformers 5.23.0 (release wheel) `src/transformers/models/minimax_m3_
 (`_apply_gate`: "same as GPT OSS, but the weights are not interleaved": `gate_up.chunk(2, -1)`,
 `gate.clamp(max=limit)`, `up.clamp(-limit, limit)`, `(up + 1) * gate * sigmoid(gate * alpha)`), which
 `src/transformers/models/openai_privacy_filter/modeling_openai_privacy_filter.py` shares; here on the
-GPT-OSS storage of `patterns/gpt_oss_experts.py` (transposed stacks with biases).
+GPT-OSS storage of `form_catalog/gpt_oss_experts.py` (transposed stacks with biases).
 
 The kernel's `bias_fused_weights` overload computes exactly this gate but reads gate and up from the
 even and odd rows of w12: with halves the rewrite would have to re-lay the weights out on every call,

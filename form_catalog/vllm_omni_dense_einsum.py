@@ -10,7 +10,7 @@ down [E, H, I],
     out = einsum("etd,te->td", y, table.to(y.dtype))
 The table is zero outside each token's top-k, so out is the kernel's weighted sum: each layer must become
 ONE `default` call (and the E-fold work of the dense form is gone). The routing is the catalog's Router
-(the source's own sigmoid router is in the wild corpus, patterns/corpus/vllm_omni_lingbot_dense.py).
+(the source's own sigmoid router is in the wild corpus, form_catalog/corpus/vllm_omni_lingbot_dense.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from ._common import ACTIVATIONS, Router, TinyDecoder, finish, settings
 from ._expected import Expected
 
 EXPECTED = Expected(fused=2, overload="default")
+# Keeps its source's own forward: tests/test_mutations.py's per-family mutated forwards do not apply.
+MUTATED = False
 
 
 class DenseEinsumExperts(nn.Module):

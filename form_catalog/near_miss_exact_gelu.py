@@ -1,6 +1,6 @@
 """Near miss: experts with exact (erf) GELU, an activation the fused kernel does not have.
 
-The transformers 4.x sparse loop of `patterns/hf4_sparse_loop.py` (transformers 4.57.6,
+The transformers 4.x sparse loop of `form_catalog/hf4_sparse_loop.py` (transformers 4.57.6,
 `src/transformers/models/olmoe/modeling_olmoe.py`, `OlmoeSparseMoeBlock.forward`) with experts whose
 `hidden_act` is `"gelu"`, which `ACT2FN` maps to the exact erf GELU. The kernel's `"gelu"` is the tanh
 approximation (HPU_OP contract), so fusing would change the numbers: the rewrite must leave each layer

@@ -1,6 +1,6 @@
 """transformers 4.57 GPT-OSS on CPU: a loop over the experts that were hit, with a sentinel class.
 
-The block is `patterns/_gpt_oss4.py` (which cites the source); this form runs the CPU path of
+The block is `form_catalog/_gpt_oss4.py` (which cites the source); this form runs the CPU path of
 4.57.6's `GptOssExperts.forward`: the hit test over `one_hot(ids, E + 1)`, `expert_idx = expert_idx[0]`,
 `if expert_idx == num_experts: continue` (the extra class is never hit by a top-k router), per-expert
 biased projections with the clamped swiglu, the weight read from the [T, E] score table, `index_add_`.
