@@ -21,7 +21,10 @@ import torch
 from tests.helpers import torch_release
 from tools import expert_parallel as ep
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built"),
+    pytest.mark.skipif(ep.transformers_expert_parallel() is not None, reason=str(ep.transformers_expert_parallel())),
+]
 
 CASES = [ep.Config(2, model, form) for model in ep.MODELS for form in ep.FORMS]
 CASES += [ep.Config(4, "qwen3_moe", "grouped_mm"), ep.Config(4, "mixtral", "batched_mm")]

@@ -66,6 +66,21 @@ class RankResult:
     report: str = ""
 
 
+def transformers_expert_parallel() -> str | None:
+    """None when the installed transformers splits experts over ranks (`DistributedConfig(ep_size=...)`),
+    else why not (older releases have tensor parallelism only)."""
+    try:
+        import inspect
+
+        import transformers
+        from transformers.distributed import DistributedConfig
+    except ImportError as error:
+        return f"transformers has no DistributedConfig ({error})"
+    if "ep_size" not in inspect.signature(DistributedConfig).parameters:
+        return f"transformers {transformers.__version__}: DistributedConfig takes no ep_size (no expert parallelism)"
+    return None
+
+
 def tiny_config(model: str):
     """A 2-layer, 8-expert, top-2 config of the family, small enough for CPU tests."""
     from transformers import MixtralConfig, Qwen3MoeConfig
