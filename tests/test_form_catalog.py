@@ -75,7 +75,7 @@ def accepts(form, key: str, value="silu") -> bool:
 def test_the_catalog_discovers_every_form_module_in_name_order():
     modules = sorted(p.stem for p in Path(form_catalog.__file__).parent.glob("[!_]*.py"))
     assert NAMES == sorted(NAMES) == [m for m in modules if m != "vllm_fused_moe"]
-    assert len(NAMES) >= 36 and {"static_dense_loop", "hf_grouped_mm", "near_miss_deepspeed_capacity"} <= set(NAMES)
+    assert len(NAMES) > 30 and {"static_dense_loop", "hf_grouped_mm", "near_miss_deepspeed_capacity"} <= set(NAMES)
     assert all(FORMS[name].__name__ == f"form_catalog.{name}" for name in NAMES)
 
 
