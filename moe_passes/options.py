@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from .backend_passes import COMPILE, DEFAULT_PASSES
+from .backend_passes import DEFAULT_PASSES
 from .lowering import TARGETS
+from .pass_manager import check_skip
 from .passes.pipeline import FORMS
 
 
@@ -77,24 +78,12 @@ class Options:
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
         if parsed.fuse_routing is not None and not isinstance(parsed.fuse_routing, bool):
             raise TypeError("hpu_moe option fuse_routing must be None (where the kernel applies), True or False")
-        _check_skip_passes(parsed.skip_passes)
+        check_skip(DEFAULT_PASSES, parsed.skip_passes)
         for custom in parsed.custom_passes:
             if not (isinstance(getattr(custom, "name", None), str) and callable(getattr(custom, "run", None))):
                 raise TypeError(f"hpu_moe option custom_passes: {custom!r} is not a pass (subclass "
                                 "moe_passes.BackendPass: a `name` and a `run(state)` method)")
         return parsed
-
-
-def _check_skip_passes(names: tuple) -> None:
-    if not all(isinstance(name, str) for name in names):
-        raise TypeError("hpu_moe option skip_passes must be a list of pass names, e.g. ['fuse routing']")
-    known = [p.name for p in DEFAULT_PASSES]
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise ValueError(f"hpu_moe option skip_passes: unknown pass(es) {unknown}; the passes are {known}")
-    essential = sorted({p.name for p in DEFAULT_PASSES if p.phase == COMPILE} & set(names))
-    if essential:
-        raise ValueError(f"hpu_moe option skip_passes: {essential} cannot be skipped (dynamo needs a compiled graph)")
 
 
 def _sequence(key: str, value) -> tuple:

@@ -90,17 +90,24 @@ class BackendPass:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+def check_skip(passes: Sequence[BackendPass], skip: Sequence[str]) -> None:
+    """Refuse skipping a pass that is not in `passes`, or one dynamo cannot do without (the compile)."""
+    if not all(isinstance(name, str) for name in skip):
+        raise TypeError("hpu_moe option skip_passes must be a list of pass names, e.g. ['fuse routing']")
+    names = [p.name for p in passes]
+    unknown = sorted(set(skip) - set(names))
+    if unknown:
+        raise ValueError(f"hpu_moe option skip_passes: unknown pass(es) {unknown}; the passes are {names}")
+    essential = sorted({p.name for p in passes if p.phase == COMPILE} & set(skip))
+    if essential:
+        raise ValueError(f"hpu_moe option skip_passes: {essential} cannot be skipped (dynamo needs a compiled graph)")
+
+
 class PassManager:
     """Runs `passes` in order on one graph and returns what the inner backend compiled."""
 
     def __init__(self, passes: Sequence[BackendPass], skip: Sequence[str] = ()):
-        names = [p.name for p in passes]
-        unknown = sorted(set(skip) - set(names))
-        if unknown:
-            raise ValueError(f"hpu_moe option skip_passes: unknown pass(es) {unknown}; the passes are {names}")
-        essential = sorted({p.name for p in passes if p.phase == COMPILE} & set(skip))
-        if essential:
-            raise ValueError(f"hpu_moe option skip_passes: {essential} cannot be skipped (dynamo needs a compiled graph)")
+        check_skip(passes, skip)
         self.passes = [p for p in passes if p.name not in set(skip)]
 
     def run(self, state: GraphState) -> Callable | None:
