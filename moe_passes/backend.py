@@ -26,8 +26,9 @@ __all__ = ["DEFAULT_PASSES", "default_inner", "hpu_moe", "inner_name", "passes_f
 
 
 def passes_for(options: Options) -> list[BackendPass]:
-    """The passes a compile with `options` runs: the default ones less `skip_passes`, with the user's
-    `custom_passes` after the rewrite (they see the rewritten graph, before routing fusion)."""
+    """The passes a compile with `options` runs: the default ones with the user's `custom_passes` after
+    the rewrite (they see the rewritten graph, before routing fusion); the manager leaves out
+    `skip_passes`."""
     return [*REWRITE_PASSES, *options.custom_passes, *LOWER_PASSES]
 
 

@@ -99,8 +99,7 @@ class Rewrite(_Rewriting):
 
     def run(self, state: GraphState) -> None:
         record, found = state.record, state.found
-        state.fused_calls = apply(state.canonical, found, state.target)
-        for accepted, node in zip(found.accepted, state.fused_calls, strict=True):
+        for accepted, node in zip(found.accepted, apply(state.canonical, found, state.target), strict=True):
             node.meta[LAYER_META] = accepted.layer
             record.fused.append(_fused(accepted, node, state.target, record.index))
         views_to_reshapes(state.canonical)
@@ -125,7 +124,7 @@ class Verify(_Rewriting):
         record.declined.extend(Declined(f.layer, f.form, why, record.index) for f in record.fused)
         record.fused.clear()
         record.rewritten = None
-        state.rewritten, state.fused_calls = None, []
+        state.rewritten = None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,7 +43,6 @@ class GraphState:
     mode: str | None = None  # torch.compile(mode=...), for the inner backend
     canonical: torch.fx.GraphModule | None = None  # the canonical ATen graph being rewritten
     found: Any = None  # what the finders saw (passes.pipeline.Found)
-    fused_calls: list[torch.fx.Node] = field(default_factory=list)
     rewritten: torch.fx.GraphModule | None = None  # set once the rewrite is complete and kept
     inputs: Sequence[Any] | None = None  # what the inner backend is handed (the example inputs unless a pass changed them)
     compiled: Callable | None = None
@@ -62,7 +61,7 @@ class GraphState:
     def keep_captured(self, why: str) -> None:
         """Go on with the captured graph; `why` is the report's fallback line."""
         self.record.fallback = why
-        self.canonical, self.rewritten, self.fused_calls = None, None, []
+        self.canonical, self.rewritten = None, None
 
 
 class BackendPass:
@@ -115,11 +114,8 @@ class PassManager:
         record is published whatever happens."""
         try:
             self.run_passes(state)
-            if state.compiled is None:
-                for backend_pass in self.passes:
-                    if backend_pass.phase == COMPILE and self._should_run(backend_pass, state):
-                        with Steps(state.record).step(backend_pass.name):
-                            backend_pass.run(state)
+            if state.compiled is None:  # again: after the fallback only the captured graph's compile applies
+                self.run_passes(state)
         finally:
             self._finish(state)
         if state.compiled is None or state.wrap_compiled is None:

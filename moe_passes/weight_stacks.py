@@ -416,13 +416,6 @@ class Stacking:
     taken: Taken | None = None
     moved_after_compile: dict[Node, int] = dataclasses.field(default_factory=dict)
 
-    def moved(self) -> dict[Node, int]:
-        """{fused call (as the report names it): tensors moved into stacks}, taken or restacked."""
-        moved = {call: len(tensors) for call, tensors in (self.taken.moved if self.taken else {}).items()}
-        for call, count in self.moved_after_compile.items():
-            moved[call] = moved.get(call, 0) + count
-        return moved
-
     def replaced(self) -> dict[Node, Node]:
         return self.taken.replaced if self.taken else {}
 
