@@ -14,13 +14,14 @@ the stacked overloads to the Triton kernels and launches them from its own gener
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from . import kernels, reference
+from . import kernels, op_backward, reference
+from .op_groups import accumulation_dtype, grouped_mm_applies, sort_pairs, sum_slots
 from .stacks import stacked_view
 
 NAMESPACE = "moe_passes"
@@ -146,62 +147,26 @@ def _intermediate_size(name: str, matrix: torch.Tensor | torch.Size, hidden: int
 # The kernel: group the routed pairs by expert, run each routed expert once on its rows.
 
 
-def _routed_groups(
-    table: torch.Tensor, router_weights: torch.Tensor, experts_min: int, count: int
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(local expert, pair slots, router weights) for each expert of the range that received tokens.
-
-    A slot is token * top_k + position in the token's routing row.
-
-    Ids outside the range go to one extra bucket that is never run, so nothing but the counts
-    leaves the device.
-    """
-    local = table.reshape(-1).long() - experts_min
-    outside = (local < 0) | (local >= count)
-    local = local.masked_fill(outside, count)
-    order = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=count + 1).tolist()  # the one host sync
-    flat_weights = router_weights.reshape(-1)
-    start = 0
-    for expert, routed in enumerate(counts[:count]):
-        if routed:
-            slots = order[start : start + routed]
-            yield expert, slots, flat_weights[slots]
-        start += routed
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, permuted: bool) -> torch.Tensor:
     """x @ W for W stored [out, in] (permuted) or [in, out]."""
     return F.linear(x, weight) if permuted else x @ weight
 
 
-def _sum_slots(per_slot: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T * k, H] float32 contributions in slot order -> [T, H]: a plain reduction over k.
-
-    Cheaper than `index_add_` into [T, H] (serial on CPU, atomic on CUDA) and the same float32 sum.
-    """
-    return per_slot.view(tokens, top_k, per_slot.shape[-1]).sum(1).to(dtype)
-
-
 def _combine(hidden_states, table, router_weights, experts_min: int, count: int, expert: ExpertFn):
     """sum over routed pairs of router_weight * expert(x), accumulated in float32."""
     tokens, top_k = table.shape
-    per_slot = torch.zeros(tokens * top_k, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
-    for index, slots, weights in _routed_groups(table, router_weights, experts_min, count):
+    wide = accumulation_dtype(hidden_states.dtype)
+    per_slot = torch.zeros(tokens * top_k, hidden_states.shape[1], dtype=wide, device=hidden_states.device)
+    flat_weights = router_weights.reshape(-1)
+    for index, slots in sort_pairs(table, experts_min, count).groups():
         y = expert(index, hidden_states.index_select(0, slots // top_k))
-        per_slot[slots] = y.float() * weights.float().unsqueeze(-1)
-    return _sum_slots(per_slot, tokens, top_k, hidden_states.dtype)
+        per_slot[slots] = y.to(wide) * flat_weights[slots].to(wide).unsqueeze(-1)
+    return sum_slots(per_slot, tokens, top_k, hidden_states.dtype)
 
 
 # The grouped path: all experts in grouped matmuls over the stacked weights, with no host sync. Used on
-# CUDA where the Triton kernel does not apply, and on CPU for few rows per expert; the loop is the fallback.
-GROUPED_DEVICES = {"cuda", "cpu"}
-GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}  # what each device's
-# torch._grouped_mm takes
-# On CPU the grouped path wins while experts get few rows each, the loop of plain matmuls beyond
-# (timed with 8 experts, top-2, float32, 2 threads: 16 rows 1.41 vs 1.70 ms, 64 rows 15.0 vs 15.9 ms,
-# 512 rows 25.9 vs 18.4 ms per call).
-CPU_GROUPED_MAX_ROWS = 128
+# CUDA where the Triton kernel does not apply, and on CPU for few rows per expert (op_groups says where);
+# the loop is the fallback.
 
 
 def _grouped_fused(
@@ -212,35 +177,24 @@ def _grouped_fused(
 
     `gate_up` is (fused gate/up stack,) or (gate stack, up stack).
     """
-    grouped_mm = getattr(torch, "_grouped_mm", None)
-    if (
-        grouped_mm is None
-        or hidden_states.device.type not in GROUPED_DEVICES
-        or hidden_states.dtype not in GROUPED_DTYPES.get(hidden_states.device.type, ())
-    ):
+    if not grouped_mm_applies(hidden_states, table, count):
         return None
-    if hidden_states.device.type == "cpu" and table.numel() > CPU_GROUPED_MAX_ROWS * count:
-        return None  # many rows per expert: the loop's plain matmuls are faster on CPU
     if permuted:  # grouped_mm takes [E, in, out]
         gate_up, down = [w.transpose(-2, -1) for w in gate_up], down.transpose(-2, -1)
-    top_k = table.shape[1]
-    local = table.reshape(-1).long() - experts_min
-    outside = (local < 0) | (local >= count)
-    local = local.masked_fill(outside, count)  # out-of-range pairs sort last, past every group
-    order = torch.argsort(local, stable=True)
-    offsets = torch.cumsum(torch.bincount(local, minlength=count + 1)[:count], 0, dtype=torch.int32)
-    rows = hidden_states.index_select(0, order // top_k)
+    pairs = sort_pairs(table, experts_min, count)
+    offsets = pairs.offsets()
+    rows = hidden_states.index_select(0, pairs.tokens)
     try:
-        projected = [grouped_mm(rows, w, offs=offsets) for w in gate_up]
+        projected = [torch._grouped_mm(rows, w, offs=offsets) for w in gate_up]
         gate, up = projected[0].chunk(2, dim=-1) if len(projected) == 1 else projected
-        y = grouped_mm(act(gate) * up, down, offs=offsets)
+        y = torch._grouped_mm(act(gate) * up, down, offs=offsets)
     except RuntimeError:  # shapes or alignment the grouped kernel does not take: use the loop
         return None
-    weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
+    weights = router_weights.reshape(-1)[pairs.order].float().unsqueeze(-1)
     # Rows past the last group are left unwritten by grouped_mm: select, never multiply, them away.
-    contribution = torch.where(outside[order].unsqueeze(-1), 0.0, y.float() * weights)
-    per_slot = torch.empty_like(contribution).index_copy_(0, order, contribution)  # back to slot order
-    return _sum_slots(per_slot, *table.shape, hidden_states.dtype)
+    contribution = torch.where(pairs.outside_sorted(), 0.0, y.float() * weights)
+    per_slot = torch.empty_like(contribution).index_copy_(0, pairs.order, contribution)  # back to slot order
+    return sum_slots(per_slot, *table.shape, hidden_states.dtype)
 
 
 def _swiglu_expert(gate_up: Callable, down: Sequence[torch.Tensor], act, permuted: bool) -> ExpertFn:
@@ -533,7 +487,8 @@ def _is_defined(overload: str = "") -> bool:
 def _register() -> torch.library.Library | None:
     """Define the overloads with CPU and CUDA kernels and fake kernels, once per process.
 
-    The stacked overloads also get inductor's view of the Triton kernel (`_trace_into_kernel`).
+    Each forward overload gets its autograd formula and backward op (op_backward.py); the stacked
+    overloads also get inductor's view of the Triton kernel (`_trace_into_kernel`).
     """
     if _is_defined():
         return None  # another copy of this module already owns the definition
@@ -544,6 +499,18 @@ def _register() -> torch.library.Library | None:
         for device in ("CPU", "CUDA"):
             library.impl(name, IMPLEMENTATIONS[overload], device)
         torch.library.register_fake(f"{NAMESPACE}::{name}", _fake, lib=library)
+    for overload, schema in op_backward.BACKWARD_SCHEMAS.items():
+        library.define(schema)
+        name = "mixture_of_experts_recomp_bwd" + ("" if overload == "default" else f".{overload}")
+        for device in ("CPU", "CUDA"):
+            library.impl(name, op_backward.BACKWARD_IMPLEMENTATIONS[overload], device)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", op_backward.backward_fake, lib=library)
+    for overload in IMPLEMENTATIONS:
+        name = "mixture_of_experts" + ("" if overload == "default" else f".{overload}")
+        torch.library.register_autograd(
+            f"{NAMESPACE}::{name}", op_backward.autograd_formula(overload),
+            setup_context=op_backward.setup_context, lib=library,
+        )
     _register_kernel_tracing(library)
     return library
 

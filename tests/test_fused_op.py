@@ -536,10 +536,10 @@ def test_bridge_double_records_each_call(bridge_double):
     [(0, 4, 2, 0, 4), (1, 8, 8, 0, 8), (33, 16, 3, 0, 16), (20, 16, 2, 4, 8)],
 )
 def test_grouped_path_matches_the_reference(monkeypatch, tokens, experts, top_k, experts_min, held):
-    from moe_passes import fused_op
+    from moe_passes import fused_op, op_groups
     from moe_passes.reference import mixture_of_experts_fused_weights_reference
 
-    monkeypatch.setattr(fused_op, "GROUPED_DEVICES", {"cpu"})
+    monkeypatch.setattr(op_groups, "GROUPED_DEVICES", {"cpu"})
     calls = []
     original = fused_op._grouped_fused
     monkeypatch.setattr(fused_op, "_grouped_fused", lambda *a: calls.append(1) or original(*a))

@@ -188,12 +188,12 @@ def test_persistent_tma_down_kernel_matches_the_pointer_kernel(permuted):
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is not available")
 def test_cpu_takes_the_grouped_path_only_for_few_rows_per_expert():
-    from moe_passes import fused_op
+    from moe_passes import fused_op, op_groups
 
     experts, top_k = 4, 2
     w12 = list((torch.randn(experts, 64, 32) / 8).unbind(0))
     w3 = list((torch.randn(experts, 32, 32) / 8).unbind(0))
-    for tokens, grouped in ((8, True), (fused_op.CPU_GROUPED_MAX_ROWS * experts, False)):
+    for tokens, grouped in ((8, True), (op_groups.CPU_GROUPED_MAX_ROWS * experts, False)):
         table = routing_table(tokens, experts, top_k, tokens)
         x, w = torch.randn(tokens, 32), torch.rand(tokens, top_k)
         stacks = (torch.stack(w12),), torch.stack(w3)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import form_catalog  # noqa: E402
 import moe_passes  # noqa: E402
-from moe_passes import fused_op, reference  # noqa: E402
+from moe_passes import op_groups, reference  # noqa: E402
 
 FUSED_FORMS = [name for name, form in form_catalog.catalog().items() if form.EXPECTED.fused]
 
@@ -144,15 +144,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cpu_path == "grouped":
-        fused_op.GROUPED_DEVICES = fused_op.GROUPED_DEVICES | {"cpu"}
+        op_groups.GROUPED_DEVICES = op_groups.GROUPED_DEVICES | {"cpu"}
     elif args.cpu_path == "loop":
-        fused_op.GROUPED_DEVICES = fused_op.GROUPED_DEVICES - {"cpu"}
+        op_groups.GROUPED_DEVICES = op_groups.GROUPED_DEVICES - {"cpu"}
     name = (
         torch.cuda.get_device_name()
         if args.device.startswith("cuda")
         else f"CPU ({torch.get_num_threads()} threads)"
     )
-    path = "grouped" if "cpu" in fused_op.GROUPED_DEVICES else "loop"
+    path = "grouped" if "cpu" in op_groups.GROUPED_DEVICES else "loop"
     print(f"device: {name}, torch {torch.__version__}, dtype {args.dtype}, inner {args.inner}, CPU op path {path}")
     if args.check:
         check_op(args.device)

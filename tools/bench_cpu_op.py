@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from moe_passes import fused_op  # noqa: E402
+from moe_passes import op_groups  # noqa: E402
 
 
 def bench(tokens: int, hidden: int, inter: int, experts: int, top_k: int, iters: int) -> dict:
@@ -44,13 +44,13 @@ def bench(tokens: int, hidden: int, inter: int, experts: int, top_k: int, iters:
 
     def on_path(path: str):
         def run():
-            saved = fused_op.GROUPED_DEVICES, fused_op.CPU_GROUPED_MAX_ROWS
-            fused_op.GROUPED_DEVICES = {"cuda", "cpu"} if path == "grouped" else {"cuda"}
-            fused_op.CPU_GROUPED_MAX_ROWS = tokens * top_k  # the path asked for, whatever the size
+            saved = op_groups.GROUPED_DEVICES, op_groups.CPU_GROUPED_MAX_ROWS
+            op_groups.GROUPED_DEVICES = {"cuda", "cpu"} if path == "grouped" else {"cuda"}
+            op_groups.CPU_GROUPED_MAX_ROWS = tokens * top_k  # the path asked for, whatever the size
             try:
                 return op(x, ids, weights, l12, l3, True, "silu", 0, experts - 1)
             finally:
-                fused_op.GROUPED_DEVICES, fused_op.CPU_GROUPED_MAX_ROWS = saved
+                op_groups.GROUPED_DEVICES, op_groups.CPU_GROUPED_MAX_ROWS = saved
 
         return run
 
