@@ -81,6 +81,23 @@ class ExpertTerm:
         return [self.coefficient] + ([self.rows] if self.rows is not None else [])
 
 
+@dataclass(frozen=True)
+class MlpRead:
+    """One expert's MLP as read from the graph: its projections, activation and (GPT-OSS) biases."""
+
+    hidden: Node
+    down: Projection
+    activation: str | None
+    activation_desc: str
+    gate_up: Projection | None = None  # one fused gate/up projection, or
+    gate: Projection | None = None  # separate gate and up projections
+    up: Projection | None = None
+    scaled_by: Node | None = None  # a per-row scale applied before the down projection
+    swiglu: ClampedSwiglu | None = None
+    gate_up_bias: Node | None = None
+    down_bias: Node | None = None
+
+
 def _with_expert_bias(node: Node) -> tuple[Node, Node | None]:
     """(y, b) for y + b with b one expert's 1-D bias; (node, None) otherwise."""
     node = strip_shape_ops(node)
@@ -91,7 +108,7 @@ def _with_expert_bias(node: Node) -> tuple[Node, Node | None]:
     return node, None
 
 
-def _read_swiglu_mlp(node: Node) -> dict | None:
+def _read_swiglu_mlp(node: Node) -> MlpRead | None:
     """GPT-OSS's expert: (down(clamped swiglu(gate_up(x) + b1)) + b2), gate/up interleaved."""
     down_out, down_bias = _with_expert_bias(node)
     down = projection(down_out)
@@ -103,13 +120,13 @@ def _read_swiglu_mlp(node: Node) -> dict | None:
     if fused is None or (gate_up_bias is None) != (down_bias is None):
         return None
     desc = swiglu.description
-    return dict(
-        hidden=fused.input, gate_up=fused, gate=None, up=None, down=down, act=desc, desc=desc,
+    return MlpRead(
+        hidden=fused.input, down=down, activation=desc, activation_desc=desc, gate_up=fused,
         swiglu=swiglu, gate_up_bias=gate_up_bias, down_bias=down_bias,
     )
 
 
-def _read_mlp(node: Node) -> dict | None:
+def _read_mlp(node: Node) -> MlpRead | None:
     """Read down(act(gate(x)) * up(x)); gate/up from one fused projection or two projections."""
     down = projection(node)
     if down is None:
@@ -121,17 +138,17 @@ def _read_mlp(node: Node) -> dict | None:
     if product is None:
         return None
     activation, desc = activation_of(product.activation_node)
-    read = dict(down=down, act=activation, desc=desc, scaled_by=scaled_by)
+    read = dict(down=down, activation=activation, activation_desc=desc, scaled_by=scaled_by)
     split = halves(product.gate, product.up)
     if split is not None:
         fused = projection(split[0])
         if fused is None:
             return None
-        return dict(hidden=fused.input, gate_up=fused, gate=None, up=None, **read)
+        return MlpRead(hidden=fused.input, gate_up=fused, **read)
     gate, up = projection(product.gate), projection(product.up)
     if gate is None or up is None or gate.input is not up.input:
         return None
-    return dict(hidden=gate.input, gate_up=None, gate=gate, up=up, **read)
+    return MlpRead(hidden=gate.input, gate=gate, up=up, **read)
 
 
 def read_term(node: Node) -> ExpertTerm | None:
@@ -141,13 +158,13 @@ def read_term(node: Node) -> ExpertTerm | None:
         for a, b in ((node_s.args[0], node_s.args[1]), (node_s.args[1], node_s.args[0])):
             if isinstance(a, Node) and isinstance(b, Node):
                 mlp = _read_mlp(strip_casts(a))
-                if mlp is not None and mlp.get("scaled_by") is None:
+                if mlp is not None and mlp.scaled_by is None:
                     return _term(node, strip_casts(a), b, mlp)
     mlp = _read_mlp(node_s)
-    if mlp is not None and mlp.get("scaled_by") is not None:  # scaled before the down projection
-        return _term(node, node_s, mlp.get("scaled_by"), mlp)
+    if mlp is not None and mlp.scaled_by is not None:  # scaled before the down projection
+        return _term(node, node_s, mlp.scaled_by, mlp)
     if mlp is not None:  # an unscaled MLP: is its input scaled instead?
-        hidden = strip_casts(mlp["hidden"])
+        hidden = strip_casts(mlp.hidden)
         scaled_by = None
         if is_call(hidden, aten.mul.Tensor):
             scaled_by = hidden.args[1]
@@ -155,22 +172,22 @@ def read_term(node: Node) -> ExpertTerm | None:
     return None
 
 
-def _term(node, mlp_out, coefficient, mlp, input_scaled_by=None) -> ExpertTerm:
+def _term(node: Node, mlp_out: Node, coefficient: Node | None, mlp: MlpRead, input_scaled_by=None) -> ExpertTerm:
     return ExpertTerm(
         term=node,
         mlp_out=mlp_out,
         coefficient=coefficient,
-        hidden=strip_shape_ops(mlp["hidden"]),
-        activation=mlp["act"],
-        activation_desc=mlp["desc"],
-        gate_up=mlp["gate_up"],
-        gate=mlp["gate"],
-        up=mlp["up"],
-        down=mlp["down"],
+        hidden=strip_shape_ops(mlp.hidden),
+        activation=mlp.activation,
+        activation_desc=mlp.activation_desc,
+        gate_up=mlp.gate_up,
+        gate=mlp.gate,
+        up=mlp.up,
+        down=mlp.down,
         input_scaled_by=input_scaled_by,
-        swiglu=mlp.get("swiglu"),
-        gate_up_bias=mlp.get("gate_up_bias"),
-        down_bias=mlp.get("down_bias"),
+        swiglu=mlp.swiglu,
+        gate_up_bias=mlp.gate_up_bias,
+        down_bias=mlp.down_bias,
     )
 
 
