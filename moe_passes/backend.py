@@ -3,7 +3,9 @@
     dynamo graph -> canonicalize -> find -> rewrite -> (verify) -> fuse routing -> stack weights
                  -> inner compile                                          (backend_passes.py, in order)
 
-The rewrite is for inference: a graph that may need gradients goes to the inner backend as captured.
+A graph that needs gradients (training) is rewritten too where the target op is differentiable (the
+portable op always; the Gaudi op where the bridge gives it autograd); its routing and weights stay as
+written, so that every gradient reaches the user's own parameters.
 Anything that fails inside the passes also sends the captured graph on unchanged, with a warning, so
 the user's compile never breaks because of this package. `options={"skip_passes": [...]}` leaves
 passes out by name; `options={"custom_passes": [...]}` runs the user's own `BackendPass` objects on
@@ -43,8 +45,9 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         target=lowering.resolve_target(opts.target),
         record=GraphRecord(index=next_graph_index(), compile_id=_compile_id()),
         mode=mode,
+        training=_needs_gradients(example_inputs),
     )
-    state.record.fallback = _why_not_rewritten(opts, example_inputs)
+    state.record.fallback = _why_not_rewritten(opts, state)
     return PassManager(passes_for(opts), skip=opts.skip_passes).run(state)
 
 
@@ -58,14 +61,15 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, ta
     return state.rewritten
 
 
-def _why_not_rewritten(options: Options, example_inputs) -> str | None:
+def _needs_gradients(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def _why_not_rewritten(options: Options, state: GraphState) -> str | None:
     if not options.enabled:
         return "disabled by options"
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
-        return (
-            "gradients are enabled and inputs require grad; the rewrite is inference-only "
-            "(run under torch.no_grad() or torch.inference_mode())"
-        )
+    if state.training:
+        return lowering.why_not_trainable(state.target)
     return None
 
 

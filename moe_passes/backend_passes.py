@@ -25,7 +25,13 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from . import kernels
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
 from .fx_utils import source_line, val
-from .ir import UntraceableConstruct, carry_dynamo_metadata, to_canonical_aten, views_to_reshapes
+from .ir import (
+    UntraceableConstruct,
+    carry_dynamo_metadata,
+    differentiable_copies,
+    to_canonical_aten,
+    views_to_reshapes,
+)
 from .pass_manager import COMPILE, LOWER, BackendPass, GraphState
 from .passes import already_fused, routing_fusion
 from .passes.matches import RoutingInfo
@@ -101,8 +107,10 @@ class Rewrite(_Rewriting):
         record, found = state.record, state.found
         for accepted, node in zip(found.accepted, apply(state.canonical, found, state.target), strict=True):
             node.meta[LAYER_META] = accepted.layer
-            record.fused.append(_fused(accepted, node, state.target, record.index))
+            record.fused.append(_fused(accepted, node, state.target, record.index, state.training))
         views_to_reshapes(state.canonical)
+        if state.training:
+            differentiable_copies(state.canonical)
         carry_dynamo_metadata(state.captured, state.canonical)
         Steps(record).graph("after", state.canonical)
         state.rewritten = state.canonical
@@ -140,7 +148,8 @@ class FuseRouting(BackendPass):
     what = "fusing the routing"
 
     def applies(self, state: GraphState) -> bool:
-        return state.target == "portable" and state.options.fuse_routing is not False
+        # softmax_topk has no gradient: in training the routing stays as written, so the router trains.
+        return state.target == "portable" and state.options.fuse_routing is not False and not state.training
 
     def run(self, state: GraphState) -> None:
         graph, record, fuse = state.rewritten, state.record, state.options.fuse_routing
@@ -176,7 +185,8 @@ class StackWeights(BackendPass):
     what = "taking the weight lists as stacked inputs"
 
     def applies(self, state: GraphState) -> bool:
-        return state.target == "portable"
+        # In training the gradients must reach the user's own parameters, not stacks made from them.
+        return state.target == "portable" and not state.training
 
     def run(self, state: GraphState) -> None:
         stacking = stack_weights(state.rewritten, state.example_inputs, takes_stacks(state.options.inner))
@@ -314,7 +324,7 @@ def _where(node: torch.fx.Node | None, printed: dict) -> str:
     return f"{line}  [{source}]" if source else line
 
 
-def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: int) -> Fused:
+def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: int, training: bool) -> Fused:
     match = accepted.match
     return Fused(
         layer=accepted.layer,
@@ -329,6 +339,7 @@ def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: in
         experts_min=match.experts_min,
         router_experts=match.router_experts or accepted.routing.num_experts,
         ids_checked=_ids_checked_text(match.ids_check),
+        training=training,
     )
 
 

@@ -284,6 +284,36 @@ def views_to_reshapes(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def differentiable_copies(gm: torch.fx.GraphModule) -> int:
+    """Write functional `copy(dst, src)` as `expand_as(src cast to dst's dtype, dst)`; returns how many.
+
+    Functionalization turns `dst[...].copy_(src)` into `copy` + `slice_scatter`, and autograd has no
+    formula for the functional `copy`: a training graph handed on with one fails in AOTAutograd. Its
+    value is src broadcast to dst's shape in dst's dtype, and it takes no gradient from dst's values,
+    which is exactly what the replacement computes.
+    """
+    rewritten = 0
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy.default):
+        dst, src = node.args[0], node.args[1]
+        dst_val, src_val = dst.meta.get("val"), getattr(src, "meta", {}).get("val")
+        if node.kwargs.get("non_blocking") or not isinstance(dst_val, torch.Tensor) or not isinstance(src_val, torch.Tensor):
+            continue
+        if dst_val.device != src_val.device:
+            continue
+        with gm.graph.inserting_before(node):
+            value = src
+            if src_val.dtype != dst_val.dtype:
+                value = gm.graph.call_function(torch.ops.aten._to_copy.default, (src,), {"dtype": dst_val.dtype})
+            value = gm.graph.call_function(torch.ops.aten.expand_as.default, (value, dst))
+        value.meta.update(node.meta)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def carry_dynamo_metadata(captured: torch.fx.GraphModule, canonical: torch.fx.GraphModule) -> bool:
     """Give `canonical` the metadata dynamo attached to `captured`, so AOTAutograd treats it as dynamo's.
 

@@ -35,6 +35,28 @@ def resolve_target(target: str) -> str:
     return target
 
 
+def hpu_op_differentiable() -> bool:
+    """Whether the bridge gave `hpu::mixture_of_experts` an autograd formula (newer bridges route it to
+    their training ops); without one, AOTAutograd cannot differentiate a fused call."""
+    for key in ("AutogradHPU", "Autograd", "CompositeImplicitAutograd"):
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key("hpu::mixture_of_experts", key):
+                return True
+        except RuntimeError:  # a dispatch key this torch does not know
+            continue
+    return False
+
+
+def why_not_trainable(target: str) -> str | None:
+    """Why a graph that needs gradients is kept as captured for `target`, or None when it is rewritten."""
+    if target == "hpu" and not hpu_op_differentiable():
+        return (
+            "training: the Gaudi bridge registers no autograd for hpu::mixture_of_experts (a bridge without "
+            "the MoE training ops); the graph is kept as captured so that it trains as written"
+        )
+    return None
+
+
 def fused_overload(target: str, overload: str):
     """The OpOverload the rewrite emits for a resolved target."""
     if target == "hpu":

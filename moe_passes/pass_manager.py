@@ -41,6 +41,7 @@ class GraphState:
     target: str  # "hpu" or "portable" (lowering.resolve_target)
     record: GraphRecord
     mode: str | None = None  # torch.compile(mode=...), for the inner backend
+    training: bool = False  # gradients enabled and an input requires grad: AOTAutograd will differentiate
     canonical: torch.fx.GraphModule | None = None  # the canonical ATen graph being rewritten
     found: Any = None  # what the finders saw (passes.pipeline.Found)
     rewritten: torch.fx.GraphModule | None = None  # set once the rewrite is complete and kept

@@ -33,6 +33,7 @@ class Fused:
     routing_fused: bool = False  # its routing chain runs as one softmax_topk call (passes/routing_fusion.py)
     # Ids no op of the graph bounds: how the call checks them, e.g. "0..7, negative ids wrapped (aten.index)"
     ids_checked: str | None = None
+    training: bool = False  # fused in a graph that needs gradients (AOTAutograd differentiates the call)
 
     def experts_text(self) -> str:
         """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
@@ -256,8 +257,9 @@ class Report:
                 error += ", routing as one softmax_topk call"
             if f.ids_checked:
                 error += f", routing ids from outside the graph checked at run time: {f.ids_checked}"
+            trains = "fused (training), " if f.training else ""
             lines.append(
-                f"    [graph {f.graph}] {f.layer}: {f.form}, {f.experts_text()}, top-{f.top_k}, "
+                f"    [graph {f.graph}] {f.layer}: {trains}{f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"
             )
         if self.already_fused:

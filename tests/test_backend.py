@@ -106,15 +106,16 @@ def test_default_inner_is_inductor_off_gaudi():
     assert default_inner() == "inductor"
 
 
-def test_gradients_enabled_leaves_the_graph_unrewritten():
+def test_gradients_enabled_fuse_for_training():
     model, inputs = _form()
-    recorder = RecordingInner()
+    recorder = RecordingInner("aot_eager")
     with collecting() as collector:
         out = torch.compile(model, backend="hpu_moe", options={"inner": recorder, "target": "portable"})(
             *inputs
         )
-    assert not recorder.fused_nodes()
-    assert "inference-only" in collector.records[0].fallback
+    assert len(recorder.fused_nodes()) == 2
+    assert collector.records[0].fallback is None
+    assert all(f.training for f in collector.records[0].fused)
     assert out.requires_grad
 
 

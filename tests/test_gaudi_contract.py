@@ -187,3 +187,39 @@ def test_a_model_that_calls_the_kernel_itself_is_left_as_written_and_reported_as
     assert out["handed_on"] == ["hpu.mixture_of_experts"] * 2  # as captured: the packet, as the model called it
     assert "already fused" in out["text"]
     assert out["max_error"] == 0.0
+
+
+TRAINING_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from tests import hpu_contract
+    hpu_contract.register_fake_gaudi_bridge()
+    import moe_passes
+    from form_catalog import catalog
+
+    model, inputs = catalog()["static_dense_loop"].build()
+    with moe_passes.explaining({{"inner": "aot_eager"}}) as session:
+        out = torch.compile(model.train(), backend=session.backend)(*inputs)
+        out.sum().backward()
+    grads = all(p.grad is not None for p in model.parameters())
+    print(json.dumps({{"fused": len(session.report.fused), "fallbacks": session.report.fallbacks, "grads": grads,
+                      "calls": len(hpu_contract.CALLS)}}))
+    """
+)
+
+
+def test_a_bridge_without_autograd_keeps_training_graphs_as_captured_and_says_so():
+    """The double registers the bridge's inference schemas with no autograd kernel (as v1.19 does): a
+    training graph cannot be differentiated through the op, so it trains as written."""
+    result = subprocess.run(
+        [sys.executable, "-c", TRAINING_SCRIPT.format(root=str(ROOT))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["fused"] == 0 and out["calls"] == 0 and out["grads"], out
+    assert len(out["fallbacks"]) == 1 and "registers no autograd for hpu::mixture_of_experts" in out["fallbacks"][0]

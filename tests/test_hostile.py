@@ -37,7 +37,7 @@ def compile_with(model, recorder, **compile_kwargs):
 # Gradients, no_grad, inference_mode
 
 
-def test_training_graphs_pass_through_and_backward_is_unchanged():
+def test_training_graphs_are_fused_and_backward_is_unchanged():
     model, (x,) = build("modulelist_dense_mask")
     x = x.clone().requires_grad_(True)
     expected = model(x)
@@ -46,12 +46,12 @@ def test_training_graphs_pass_through_and_backward_is_unchanged():
     want_x = x.grad.clone()
     model.zero_grad()
     x.grad = None
-    recorder = RecordingInner()
+    recorder = RecordingInner("aot_eager")
     with collecting() as collector:
         out = compile_with(model, recorder)(x)
     out.square().sum().backward()
-    assert not recorder.fused_nodes()
-    assert all("inference-only" in (r.fallback or "") for r in collector.records)
+    assert len(recorder.fused_nodes()) == 1
+    assert all(r.fallback is None and all(f.training for f in r.fused) for r in collector.records)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(x.grad, want_x)
     for name, p in model.named_parameters():
