@@ -95,13 +95,12 @@ def _gated_mlp_backward(x, dout_rows, r, gate_up_io, down_io, activation: str, m
     Weights are in [in, out] form (`gate_up_io` is (gate, up) or (fused gate|up,)); the weight
     gradients come back in the same form.
     """
-    wide = accumulation_dtype(x.dtype)
     projected = [mm.forward(x, w) for w in gate_up_io]
     gate, up = projected[0].chunk(2, dim=-1) if len(projected) == 1 else projected
     activated = ACTIVATIONS[activation](gate)
     h = activated * up
     y = mm.forward(h, down_io)
-    dy = (dout_rows.to(wide) * r.to(wide).unsqueeze(-1)).to(x.dtype)
+    dy = dout_rows * r.to(x.dtype).unsqueeze(-1)
     d_down = mm.weight_grad(h, dy)
     dh = mm.forward(dy, down_io.transpose(-2, -1))
     d_up = dh * activated
@@ -117,8 +116,7 @@ def _gated_mlp_backward(x, dout_rows, r, gate_up_io, down_io, activation: str, m
 
 
 def _router_grad(dout_rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    wide = accumulation_dtype(y.dtype)
-    return (dout_rows.to(wide) * y.to(wide)).sum(-1)
+    return (dout_rows * y).sum(-1, dtype=accumulation_dtype(y.dtype))
 
 
 def _io(weight: torch.Tensor, permuted: bool) -> torch.Tensor:
@@ -169,9 +167,12 @@ def _grouped_backward(grad, hidden_states, pairs: SortedPairs, router_weights, g
         return None
     # Rows past the last group are left unwritten by grouped_mm: select, never multiply, them away.
     outside = pairs.outside_sorted()
-    sums = _Gradients(grad, hidden_states, pairs.top_k)
-    sums.add(pairs.order, torch.where(outside, 0.0, dx), torch.where(outside[:, 0], 0.0, _router_grad(dout_rows, y)))
-    d_hidden, d_router = sums.hidden_and_router(hidden_states.dtype, router_weights.dtype)
+    dx = torch.where(outside, 0.0, dx)
+    dr = torch.where(outside[:, 0], 0.0, _router_grad(dout_rows, y))
+    back = pairs.slot_order()  # gathered back to slot order, then summed over each token's k slots
+    tokens_count, top_k = router_weights.shape
+    d_hidden = sum_slots(dx.index_select(0, back), tokens_count, top_k, hidden_states.dtype)
+    d_router = dr.index_select(0, back).view(tokens_count, top_k).to(router_weights.dtype)
     return [d_hidden, d_router, *(_as_stored(g, permuted) for g in d_gate_up), _as_stored(d_down, permuted)]
 
 
@@ -199,20 +200,32 @@ def _fill_zeros(grads: list, weights: Sequence[torch.Tensor]) -> list[torch.Tens
     return [g if g is not None else torch.zeros_like(w) for g, w in zip(grads, weights, strict=True)]
 
 
+def grouped_gradients(grad, hidden_states, table, router_weights, gate_up, down, permuted, activation,
+                      experts_min, experts_max) -> list[torch.Tensor] | None:
+    """[d hidden, d router weights, d gate/up stack(s), d down stack] from grouped matmuls over stacks, or
+    None where that path does not apply. Traceable (no host sync): AOTAutograd records these ops in the
+    backward graph, so inductor fuses the elementwise work around the grouped GEMMs."""
+    count = experts_max - experts_min + 1
+    if not grouped_mm_applies(hidden_states, table, count):
+        return None
+    pairs = sort_pairs(table, experts_min, count)
+    return _grouped_backward(grad, hidden_states, pairs, router_weights, gate_up, down, permuted, activation)
+
+
 def gated_backward(overload: str, grad, hidden_states, table, router_weights, *rest) -> list[torch.Tensor]:
     """`mixture_of_experts_recomp_bwd.{default, fused_weights, stacked, stacked_fused_weights}`."""
     roles_count, listed = ROLES[overload]
-    roles, (permuted, activation, experts_min, experts_max) = rest[:roles_count], rest[roles_count:]
-    count = experts_max - experts_min + 1
-    pairs = sort_pairs(table, experts_min, count)
+    roles, options = rest[:roles_count], rest[roles_count:]
+    permuted, activation, experts_min, experts_max = options
     stacks = [stacked_view(list(r)) for r in roles] if listed else list(roles)
-    if all(s is not None for s in stacks) and grouped_mm_applies(hidden_states, table, count):
-        result = _grouped_backward(grad, hidden_states, pairs, router_weights, stacks[:-1], stacks[-1], permuted,
-                                   activation)
+    if all(s is not None for s in stacks):
+        result = grouped_gradients(grad, hidden_states, table, router_weights, stacks[:-1], stacks[-1], *options)
         if result is not None:
             if listed:  # one gradient per expert of each list
                 return result[:2] + [g for stack in result[2:] for g in stack.unbind(0)]
             return result
+    count = experts_max - experts_min + 1
+    pairs = sort_pairs(table, experts_min, count)
     d_hidden, d_router, per_role = _loop_backward(
         grad, hidden_states, pairs, router_weights, roles, permuted, activation, count
     )
@@ -315,6 +328,10 @@ def autograd_formula(overload: str):
         backward_op = getattr(torch.ops.moe_passes.mixture_of_experts_recomp_bwd, overload)
         hidden_states, table, router_weights, *rest = _saved_inputs(ctx)
         roles, options = rest[:roles_count], rest[roles_count:]
+        if not listed:  # stacks: the grouped backward, traced into the backward graph where it applies
+            direct = grouped_gradients(grad, hidden_states, table, router_weights, roles[:-1], roles[-1], *options)
+            if direct is not None:
+                return (direct[0], None, direct[1], *direct[2:], *(None for _ in options))
         if overload == "bias_fused_weights":  # its options are keyword-only: no gradient slots
             keywords = {name: ctx.keyword_only[name] for name in ("experts_min", "experts_max", "alpha", "limit")}
             flat = backward_op(grad, hidden_states, table, router_weights, *roles,

@@ -23,11 +23,12 @@ CPU_GROUPED_MAX_ROWS = 128
 
 @dataclass(frozen=True)
 class SortedPairs:
-    """The routed pairs in expert order."""
+    """The routed pairs in expert order. Built from traceable ops only (no data-dependent shape), so that
+    AOTAutograd can trace a backward that sorts the pairs again."""
 
     order: torch.Tensor  # [T*k] slots, sorted by local expert (stable), out-of-range pairs last
     outside: torch.Tensor  # [T*k] bool, by slot: the pair's id is not one of the range's experts
-    counts: torch.Tensor  # [count + 1] pairs per local expert, then the out-of-range bucket
+    ends: torch.Tensor  # [count] int32: where each local expert's group ends in sorted order
     top_k: int
 
     @property
@@ -37,22 +38,27 @@ class SortedPairs:
 
     def offsets(self) -> torch.Tensor:
         """torch._grouped_mm's group ends (int32), one per expert of the range."""
-        return torch.cumsum(self.counts[:-1], 0, dtype=torch.int32)
+        return self.ends
 
     def outside_sorted(self) -> torch.Tensor:
         """[T*k, 1] bool in sorted order: rows no group covers (grouped_mm leaves them unwritten)."""
         return self.outside[self.order].unsqueeze(-1)
 
+    def slot_order(self) -> torch.Tensor:
+        """The inverse permutation: each slot's position in sorted order (a gather brings rows back)."""
+        positions = torch.arange(self.order.shape[0], device=self.order.device)
+        return torch.empty_like(self.order).scatter_(0, self.order, positions)
+
     def groups(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(local expert, its slots) for each expert of the range that received pairs.
 
-        Reads the counts on the host: the loop path's one sync.
+        Reads the group ends on the host: the loop path's one sync.
         """
         start = 0
-        for expert, routed in enumerate(self.counts[:-1].tolist()):
-            if routed:
-                yield expert, self.order[start : start + routed]
-            start += routed
+        for expert, end in enumerate(self.ends.tolist()):
+            if end > start:
+                yield expert, self.order[start:end]
+            start = end
 
 
 def sort_pairs(table: torch.Tensor, experts_min: int, count: int) -> SortedPairs:
@@ -61,7 +67,9 @@ def sort_pairs(table: torch.Tensor, experts_min: int, count: int) -> SortedPairs
     outside = (local < 0) | (local >= count)
     local = local.masked_fill(outside, count)
     order = torch.argsort(local, stable=True)
-    return SortedPairs(order, outside, torch.bincount(local, minlength=count + 1), table.shape[1])
+    experts = torch.arange(count, device=local.device, dtype=local.dtype)
+    ends = torch.searchsorted(local[order], experts, right=True).to(torch.int32)
+    return SortedPairs(order, outside, ends, table.shape[1])
 
 
 def grouped_mm_applies(hidden_states: torch.Tensor, table: torch.Tensor, count: int) -> bool:
