@@ -90,19 +90,22 @@ def grouped(offsets: torch.Tensor) -> Matmuls:
 
 
 def _gated_mlp_backward(x, dout_rows, r, gate_up_io, down_io, activation: str, mm: Matmuls):
-    """(dx, d gate_up roles, d down, y) for rows x with upstream dout_rows and router weights r.
+    """(dx, d gate_up roles, d down, d r) for rows x with upstream dout_rows and router weights r.
 
     Weights are in [in, out] form (`gate_up_io` is (gate, up) or (fused gate|up,)); the weight
-    gradients come back in the same form.
+    gradients come back in the same form. The expert's output y = h W_down is never recomputed: the
+    router weight's gradient <dout, h W_down> is read as <dout W_downᵀ, h>, and dout W_downᵀ is the
+    product the down projection's backward needs anyway (scaled by r).
     """
     projected = [mm.forward(x, w) for w in gate_up_io]
     gate, up = projected[0].chunk(2, dim=-1) if len(projected) == 1 else projected
     activated = ACTIVATIONS[activation](gate)
     h = activated * up
-    y = mm.forward(h, down_io)
-    dy = dout_rows * r.to(x.dtype).unsqueeze(-1)
-    d_down = mm.weight_grad(h, dy)
-    dh = mm.forward(dy, down_io.transpose(-2, -1))
+    scale = r.to(x.dtype).unsqueeze(-1)
+    back_through_down = mm.forward(dout_rows, down_io.transpose(-2, -1))
+    d_router = (back_through_down * h).sum(-1, dtype=accumulation_dtype(x.dtype))
+    d_down = mm.weight_grad(h, dout_rows * scale)
+    dh = back_through_down * scale
     d_up = dh * activated
     d_gate = activation_backward(activation, dh * up, gate)
     if len(gate_up_io) == 1:
@@ -112,7 +115,7 @@ def _gated_mlp_backward(x, dout_rows, r, gate_up_io, down_io, activation: str, m
     else:
         d_gate_up = [mm.weight_grad(x, d_gate), mm.weight_grad(x, d_up)]
         dx = mm.forward(d_gate, gate_up_io[0].transpose(-2, -1)) + mm.forward(d_up, gate_up_io[1].transpose(-2, -1))
-    return dx, d_gate_up, d_down, y
+    return dx, d_gate_up, d_down, d_router
 
 
 def _router_grad(dout_rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -160,7 +163,7 @@ def _grouped_backward(grad, hidden_states, pairs: SortedPairs, router_weights, g
     r = router_weights.reshape(-1)[pairs.order]
     gate_up_io = [_io(w, permuted) for w in gate_up]
     try:
-        dx, d_gate_up, d_down, y = _gated_mlp_backward(
+        dx, d_gate_up, d_down, d_router = _gated_mlp_backward(
             x, dout_rows, r, gate_up_io, _io(down, permuted), activation, grouped(offsets)
         )
     except RuntimeError:  # shapes or alignment the grouped kernel does not take
@@ -168,7 +171,7 @@ def _grouped_backward(grad, hidden_states, pairs: SortedPairs, router_weights, g
     # Rows past the last group are left unwritten by grouped_mm: select, never multiply, them away.
     outside = pairs.outside_sorted()
     dx = torch.where(outside, 0.0, dx)
-    dr = torch.where(outside[:, 0], 0.0, _router_grad(dout_rows, y))
+    dr = torch.where(outside[:, 0], 0.0, d_router)
     back = pairs.slot_order()  # gathered back to slot order, then summed over each token's k slots
     tokens_count, top_k = router_weights.shape
     d_hidden = sum_slots(dx.index_select(0, back), tokens_count, top_k, hidden_states.dtype)
@@ -184,11 +187,11 @@ def _loop_backward(grad, hidden_states, pairs: SortedPairs, router_weights, role
     flat_weights = router_weights.reshape(-1)
     for expert, slots in pairs.groups():
         x, dout_rows = hidden_states.index_select(0, slots // pairs.top_k), sums.rows(slots)
-        dx, d_gate_up, d_down, y = _gated_mlp_backward(
+        dx, d_gate_up, d_down, d_router = _gated_mlp_backward(
             x, dout_rows, flat_weights[slots], [_io(w[expert], permuted) for w in gate_up],
             _io(down[expert], permuted), activation, PLAIN,
         )
-        sums.add(slots, dx, _router_grad(dout_rows, y))
+        sums.add(slots, dx, d_router)
         for role, g in enumerate([*d_gate_up, d_down]):
             weight_grads[role][expert] = _as_stored(g, permuted)
     d_hidden, d_router = sums.hidden_and_router(hidden_states.dtype, router_weights.dtype)

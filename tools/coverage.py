@@ -18,8 +18,14 @@ break), "fused (breaks)" (every MoE layer fused, graph breaks elsewhere), "partl
 why: the construction error, the decline reasons, or a diagnosis from the run (the first graph break and
 where it is, the backend's internal error, or what the experts hold when no candidate was recognised).
 
+With `--training`, each model is compiled with gradients enabled (parameters requiring grad, eval mode
+so that no dropout or router noise makes the two runs differ), run forward and backward once, and the
+table also gives the largest relative difference of a parameter's gradient to the unrewritten model's;
+"fused" then means every MoE layer fused in the training graph ("fused (training)" in the report).
+
     python tools/coverage.py                       # markdown table on stdout
     python tools/coverage.py --families mixtral qwen3_moe --json coverage.json
+    python tools/coverage.py --training --json coverage_training.json
 """
 
 from __future__ import annotations
@@ -233,7 +239,33 @@ def diagnosis(report, model, layers: list[str], locations: dict[str, str]) -> st
     return " | ".join(parts)
 
 
-def run(family: str, implementation: str) -> dict:
+def _loss(output) -> torch.Tensor:
+    return output_tensor(output).float().square().mean()
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _train_step(model, args, kwargs):
+    """(report, output, gradients) of one forward + backward compiled with hpu_moe."""
+    with moe_passes.explaining({"inner": "eager", "target": "portable"}) as session:
+        output = torch.compile(model, backend=session.backend)(*args, **kwargs)
+        _loss(output).backward()
+    return session.report, output, _gradients(model)
+
+
+def _worst_gradient_error(got: dict, want: dict) -> float:
+    if set(got) != set(want):
+        return float("inf")  # a parameter lost (or gained) its gradient
+    return max(
+        ((got[n].float() - want[n].float()).norm() / want[n].float().norm().clamp_min(1e-12)).item() for n in want
+    )
+
+
+def run(family: str, implementation: str, training: bool = False) -> dict:
     row = {"family": family, "implementation": implementation}
     start = time.perf_counter()
     try:
@@ -246,8 +278,14 @@ def run(family: str, implementation: str) -> dict:
             for name in layers
         ]
         try:
-            with torch.no_grad():
-                expected = output_tensor(model(*args, **kwargs))
+            if training:
+                model.requires_grad_(True)
+                reference = model(*args, **kwargs)
+                _loss(reference).backward()
+                expected, expected_grads = output_tensor(reference).detach(), _gradients(model)
+            else:
+                with torch.no_grad():
+                    expected = output_tensor(model(*args, **kwargs))
         finally:
             for hook in hooks:
                 hook.remove()
@@ -262,9 +300,13 @@ def run(family: str, implementation: str) -> dict:
         row["idle_moe_layers"] = idle
     try:
         with break_locations() as locations, backend_fallbacks() as fallbacks:
-            report, output = explain_and_run(
-                model, *args, options={"inner": "eager", "target": "portable"}, **kwargs
-            )
+            if training:
+                report, output, grads = _train_step(model, args, kwargs)
+                row["max_grad_rel_error"] = _worst_gradient_error(grads, expected_grads)
+            else:
+                report, output = explain_and_run(
+                    model, *args, options={"inner": "eager", "target": "portable"}, **kwargs
+                )
     except Exception as error:  # noqa: BLE001
         # the backend's own fallback, when there was one, comes first: it is usually the cause
         cause = f"{fallbacks[0]}; then " if fallbacks else ""
@@ -277,9 +319,13 @@ def run(family: str, implementation: str) -> dict:
         graph_breaks=report.graph_break_count,
         break_reasons=[first_line(r, 300) for r in report.break_reasons],
         fallbacks=report.fallbacks,
-        max_error=(output_tensor(output).float() - expected.float()).abs().max().item(),
+        max_error=(output_tensor(output).detach().float() - expected.float()).abs().max().item(),
         seconds=round(time.perf_counter() - start, 1),
     )
+    if training and not all(f.training for f in report.fused):
+        row["status"] = "error"
+        row["reason"] = "a layer fused without its training mark"
+        return row
     if report.fused and len(report.fused) >= len(layers) and not report.graph_break_count:
         row["status"] = "fused"
     elif report.fused and len(report.fused) >= len(layers):
@@ -299,17 +345,20 @@ def run(family: str, implementation: str) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
+    training = any("max_grad_rel_error" in r for r in rows)
+    grad_header = " max grad rel. diff |" if training else ""
     lines = [
-        "| family | implementation | result | fused / MoE layers | breaks | max output diff | reason |",
-        "|---|---|---|---|---|---|---|",
+        f"| family | implementation | result | fused / MoE layers | breaks | max output diff |{grad_header} reason |",
+        "|---|---|---|---|---|---|" + ("---|" if training else "") + "---|",
     ]
     for r in rows:
         reason = (r.get("reason") or "").replace("|", "/")[:400]
         fused = f"{r.get('fused', '-')}/{r['moe_layers']}" if "moe_layers" in r else ""
         error = f"{r['max_error']:.2g}" if "max_error" in r else ""
+        grad = f" {r['max_grad_rel_error']:.2g} |" if "max_grad_rel_error" in r else (" |" if training else "")
         lines.append(
             f"| {r['family']} | {r['implementation']} | {r['status']} | {fused} | "
-            f"{r.get('graph_breaks', '')} | {error} | {reason} |"
+            f"{r.get('graph_breaks', '')} | {error} |{grad} {reason} |"
         )
     return "\n".join(lines)
 
@@ -329,6 +378,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="*")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--training", action="store_true", help="compile with gradients enabled, run backward")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -340,7 +390,7 @@ def main(argv=None) -> int:
     for family in args.families or families:
         for implementation in IMPLEMENTATIONS if families.get(family, True) else ("own forward",):
             try:
-                rows.append(run(family, implementation))
+                rows.append(run(family, implementation, args.training))
             except Exception:  # noqa: BLE001 - one family never stops the table
                 rows.append(
                     {
