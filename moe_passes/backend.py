@@ -3,9 +3,9 @@
     dynamo graph -> canonicalize -> find -> rewrite -> (verify) -> fuse routing -> stack weights
                  -> inner compile                                          (backend_passes.py, in order)
 
-A graph that needs gradients (training) is rewritten too where the target op is differentiable (the
-portable op always; the Gaudi op where the bridge gives it autograd); its routing and weights stay as
-written, so that every gradient reaches the user's own parameters.
+A graph that needs gradients (training) is rewritten too, each layer where its target overload is
+differentiable (the portable op always; the Gaudi op where the bridge gives it autograd); its routing
+and weights stay as written, so that every gradient reaches the user's own parameters.
 Anything that fails inside the passes also sends the captured graph on unchanged, with a warning, so
 the user's compile never breaks because of this package. `options={"skip_passes": [...]}` leaves
 passes out by name; `options={"custom_passes": [...]}` runs the user's own `BackendPass` objects on
@@ -47,7 +47,7 @@ def hpu_moe(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None
         mode=mode,
         training=_needs_gradients(example_inputs),
     )
-    state.record.fallback = _why_not_rewritten(opts, state)
+    state.record.fallback = _why_not_rewritten(opts)
     return PassManager(passes_for(opts), skip=opts.skip_passes).run(state)
 
 
@@ -65,11 +65,9 @@ def _needs_gradients(example_inputs) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
-def _why_not_rewritten(options: Options, state: GraphState) -> str | None:
+def _why_not_rewritten(options: Options) -> str | None:
     if not options.enabled:
         return "disabled by options"
-    if state.training:
-        return lowering.why_not_trainable(state.target)
     return None
 
 

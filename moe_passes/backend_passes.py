@@ -22,7 +22,7 @@ import torch
 from torch._dynamo.backends.registry import list_backends, lookup_backend
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from . import kernels
+from . import kernels, lowering
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
 from .fx_utils import source_line, val
 from .ir import (
@@ -35,7 +35,7 @@ from .ir import (
 from .pass_manager import COMPILE, LOWER, BackendPass, GraphState
 from .passes import already_fused, routing_fusion
 from .passes.matches import RoutingInfo
-from .passes.pipeline import Accepted, Found, apply, find_layers, layer_name
+from .passes.pipeline import Accepted, Found, Rejected, apply, find_layers, layer_name
 from .printer import node_lines
 from .report import AlreadyFused, Declined, Fused, GraphRecord
 from .steps import Steps, count
@@ -86,6 +86,8 @@ class Find(_Rewriting):
 
     def run(self, state: GraphState) -> None:
         found = find_layers(state.canonical.graph, state.options.forms, strict=state.options.strict)
+        if state.training:
+            _leave_untrainable(found, state.target)
         state.found = found
         state.record.declined.extend(_declined(found, state.canonical, state.record.index))
         if found.internal_errors:
@@ -95,6 +97,18 @@ class Find(_Rewriting):
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def _leave_untrainable(found: Found, target: str) -> None:
+    """In a graph that needs gradients, decline the layers whose target overload has no autograd."""
+    kept = []
+    for accepted in found.accepted:
+        why = lowering.why_not_trainable(target, accepted.match.overload)
+        if why is None:
+            kept.append(accepted)
+        else:
+            found.rejected.append(Rejected(accepted.layer, accepted.match.form, why))
+    found.accepted[:] = kept
 
 
 class Rewrite(_Rewriting):

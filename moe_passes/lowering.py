@@ -35,24 +35,33 @@ def resolve_target(target: str) -> str:
     return target
 
 
-def hpu_op_differentiable() -> bool:
-    """Whether the bridge gave `hpu::mixture_of_experts` an autograd formula (newer bridges route it to
-    their training ops); without one, AOTAutograd cannot differentiate a fused call."""
+def hpu_op_differentiable(overload: str = "default") -> bool:
+    """Whether the bridge gave `hpu::mixture_of_experts.<overload>` autograd, so that AOTAutograd can
+    differentiate a fused call. Newer bridges do, for `.default` and `.fused_weights`: a C++ Autograd
+    kernel that runs their recompute (or saving) forward/backward pair, and, under torch.compile, a Python
+    Autograd kernel (`py_impl`) that redirects the op to their compile-mode twin."""
+    try:
+        op = getattr(torch.ops.hpu.mixture_of_experts, overload)
+    except (AttributeError, RuntimeError):
+        return False
+    if torch._C.DispatchKey.Autograd in getattr(op, "py_kernels", {}):
+        return True
+    name = "hpu::mixture_of_experts" + ("" if overload == "default" else f".{overload}")
     for key in ("AutogradHPU", "Autograd", "CompositeImplicitAutograd"):
         try:
-            if torch._C._dispatch_has_kernel_for_dispatch_key("hpu::mixture_of_experts", key):
+            if torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
                 return True
         except RuntimeError:  # a dispatch key this torch does not know
             continue
     return False
 
 
-def why_not_trainable(target: str) -> str | None:
-    """Why a graph that needs gradients is kept as captured for `target`, or None when it is rewritten."""
-    if target == "hpu" and not hpu_op_differentiable():
+def why_not_trainable(target: str, overload: str) -> str | None:
+    """Why a layer lowered to `overload` is left as written in a graph that needs gradients, or None."""
+    if target == "hpu" and not hpu_op_differentiable(overload):
         return (
-            "training: the Gaudi bridge registers no autograd for hpu::mixture_of_experts (a bridge without "
-            "the MoE training ops); the graph is kept as captured so that it trains as written"
+            f"training: the Gaudi bridge registers no autograd for hpu::mixture_of_experts.{overload} (a bridge "
+            "without the MoE training ops, or an overload they do not cover); the layer trains as written"
         )
     return None
 

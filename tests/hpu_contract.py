@@ -107,9 +107,9 @@ def _fake(hidden_states, *args, **kwargs):
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def _hpu_op_registered() -> bool:
+def _hpu_op_registered(name: str = "mixture_of_experts") -> bool:
     try:
-        torch._C._dispatch_find_schema_or_throw("hpu::mixture_of_experts", "")
+        torch._C._dispatch_find_schema_or_throw(f"hpu::{name}", "")
     except RuntimeError:
         return False
     return True
@@ -139,4 +139,111 @@ def register_fake_gaudi_bridge(schemas: dict[str, str] = BRIDGE_SCHEMAS) -> torc
         library.impl(name, _KERNELS[overload], "CPU")
         torch.library.register_fake(f"hpu::{name}", _fake, lib=library)
     _LIBRARY = library
+    return library
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training ops of newer bridges (HabanaAI/gaudi-pytorch-bridge at eea6c59f: `scripts/hpu_op.yaml`
+# for the schemas; `hpu_ops/common/mixture_of_experts.cpp` and `habana_kernels/kernels_register.cpp`
+# for the Autograd kernel of the inference op, which runs the recompute pair unless `recomp=False`;
+# `MixtureOfExpertsRecompFwdFunction::backward` for the gradients' order). Only the recompute pair is
+# doubled: the saving pair's intermediates (chunked inputs, GEMM outputs) are the kernel's own layout.
+
+_ROUTED = "Tensor hidden_states, Tensor expert_routing_table, Tensor router_weights"
+_TAIL = "bool permuted_weights, str activation, int experts_min, int experts_max"
+TRAINING_SCHEMAS = {
+    "default": BRIDGE_SCHEMAS["default"].replace(") -> Tensor", ", *, bool? recomp=True) -> Tensor"),
+    "fused_weights": BRIDGE_SCHEMAS["fused_weights"].replace(") -> Tensor", ", *, bool? recomp=True) -> Tensor"),
+    "bias_fused_weights": BRIDGE_SCHEMAS["bias_fused_weights"],
+}
+RECOMP_SCHEMAS = {
+    "mixture_of_experts_recomp_fwd": f"mixture_of_experts_recomp_fwd({_ROUTED}, Tensor[] w1, Tensor[] w2, "
+    f"Tensor[] w3, {_TAIL}) -> Tensor",
+    "mixture_of_experts_recomp_fwd.fused_weights": f"mixture_of_experts_recomp_fwd.fused_weights({_ROUTED}, "
+    f"Tensor[] w12, Tensor[] w3, {_TAIL}) -> Tensor",
+    "mixture_of_experts_recomp_bwd": f"mixture_of_experts_recomp_bwd(Tensor grad_tokens_in, {_ROUTED}, "
+    f"Tensor[] w1, Tensor[] w2, Tensor[] w3, {_TAIL}) -> Tensor[]",
+    "mixture_of_experts_recomp_bwd.fused_weights": f"mixture_of_experts_recomp_bwd.fused_weights("
+    f"Tensor grad_tokens_in, {_ROUTED}, Tensor[] w12, Tensor[] w3, {_TAIL}) -> Tensor[]",
+}
+_REFERENCES = {
+    "default": reference.mixture_of_experts_reference,
+    "fused_weights": reference.mixture_of_experts_fused_weights_reference,
+}
+
+
+def _recomp_bwd(overload: str):
+    """The gradients of the reference forward, in the bridge's order: [d hidden_states, d router_weights,
+    then one per tensor of each weight list]. torch.func.vjp, which works below the autograd key."""
+    roles = 3 if overload == "default" else 2
+
+    def kernel(grad, hidden_states, table, router_weights, *rest):
+        lists, options = [list(r) for r in rest[:roles]], rest[roles:]
+        CALLS.append({"overload": f"recomp_bwd.{overload}", "num_weights": len(lists[0])})
+
+        def forward(hidden_states, router_weights, *lists):
+            return _REFERENCES[overload](hidden_states, table, router_weights, *lists, *options)
+
+        _, vjp = torch.func.vjp(forward, hidden_states, router_weights, *lists)
+        d_hidden, d_router, *d_lists = vjp(grad)
+        return [d_hidden, d_router, *(g for grads in d_lists for g in grads)]
+
+    return kernel
+
+
+def _recomp_bwd_fake(grad, hidden_states, table, router_weights, *rest):
+    lists = [r for r in rest if isinstance(r, (list, tuple))]
+    return [hidden_states.new_empty(hidden_states.shape), router_weights.new_empty(router_weights.shape),
+            *(w.new_empty(w.shape) for weights in lists for w in weights)]
+
+
+def _bridge_autograd(overload: str):
+    """(setup_context, backward) of the inference op, as the bridge's recompute Function does it."""
+    roles = 3 if overload == "default" else 2
+
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
+        hidden_states, table, router_weights, *rest = inputs
+        lists, options = rest[:roles], rest[roles:]
+        ctx.lengths, ctx.options = [len(w) for w in lists], options
+        ctx.save_for_backward(hidden_states, table, router_weights, *(w for weights in lists for w in weights))
+
+    def backward(ctx, grad):
+        hidden_states, table, router_weights, *flat = ctx.saved_tensors
+        lists, start = [], 0
+        for length in ctx.lengths:
+            lists.append(list(flat[start : start + length]))
+            start += length
+        packet = torch.ops.hpu.mixture_of_experts_recomp_bwd
+        op = packet.default if overload == "default" else packet.fused_weights
+        result = op(grad, hidden_states, table, router_weights, *lists, *ctx.options)
+        grads, start = [], 2
+        for length in ctx.lengths:
+            grads.append(list(result[start : start + length]))
+            start += length
+        return (result[0], None, result[1], *grads, *(None for _ in ctx.options))
+
+    return setup_context, backward
+
+
+def register_training_gaudi_bridge() -> torch.library.Library | None:
+    """`register_fake_gaudi_bridge` as a bridge with the MoE training ops: the inference op with `recomp`
+    and an Autograd kernel on `.default` and `.fused_weights` (not `.bias_fused_weights`), whose backward
+    calls `mixture_of_experts_recomp_bwd`."""
+    library = register_fake_gaudi_bridge(TRAINING_SCHEMAS)
+    if library is None or _hpu_op_registered("mixture_of_experts_recomp_bwd"):
+        return library
+    for name, schema in RECOMP_SCHEMAS.items():
+        library.define(schema)
+        base, _, overload = name.partition(".")
+        overload = overload or "default"
+        if base.endswith("_bwd"):
+            library.impl(name, _recomp_bwd(overload), "CPU")
+            torch.library.register_fake(f"hpu::{name}", _recomp_bwd_fake, lib=library)
+        else:
+            library.impl(name, lambda *args, overload=overload: _KERNELS[overload](*args), "CPU")
+            torch.library.register_fake(f"hpu::{name}", _fake, lib=library)
+    for overload in ("default", "fused_weights"):
+        setup_context, backward = _bridge_autograd(overload)
+        name = "hpu::mixture_of_experts" + ("" if overload == "default" else f".{overload}")
+        torch.library.register_autograd(name, backward, setup_context=setup_context, lib=library)
     return library

@@ -191,35 +191,74 @@ def test_a_model_that_calls_the_kernel_itself_is_left_as_written_and_reported_as
 
 TRAINING_SCRIPT = textwrap.dedent(
     """
-    import json, sys, torch
+    import copy, json, sys, torch
     sys.path.insert(0, {root!r})
     from tests import hpu_contract
-    hpu_contract.register_fake_gaudi_bridge()
+    hpu_contract.{register}()
     import moe_passes
     from form_catalog import catalog
 
-    model, inputs = catalog()["static_dense_loop"].build()
-    with moe_passes.explaining({{"inner": "aot_eager"}}) as session:
-        out = torch.compile(model.train(), backend=session.backend)(*inputs)
-        out.sum().backward()
-    grads = all(p.grad is not None for p in model.parameters())
-    print(json.dumps({{"fused": len(session.report.fused), "fallbacks": session.report.fallbacks, "grads": grads,
-                      "calls": len(hpu_contract.CALLS)}}))
+    results = {{}}
+    for name in ("static_dense_loop", "modulelist_dense_mask", "gpt_oss_experts"):
+        model, inputs = catalog()[name].build()
+        model.train()
+        twin = copy.deepcopy(model)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+        hpu_contract.CALLS.clear()
+        with moe_passes.explaining({{"inner": "aot_eager"}}) as session:
+            compiled = torch.compile(twin, backend=session.backend)
+            for _ in range(3):
+                for run, optimizer in zip((model, compiled), optimizers):
+                    loss = run(*inputs).float().square().mean()
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+        report = session.report
+        results[name] = {{
+            "fused_training": [f.overload for f in report.fused if f.training],
+            "declined": [d.reason for d in report.declined],
+            "calls": sorted({{c["overload"] for c in hpu_contract.CALLS}}),
+            "weight_error": max((a - b).abs().max().item() for a, b in zip(model.parameters(), twin.parameters())),
+        }}
+    print(json.dumps(results))
     """
 )
 
 
-def test_a_bridge_without_autograd_keeps_training_graphs_as_captured_and_says_so():
-    """The double registers the bridge's inference schemas with no autograd kernel (as v1.19 does): a
-    training graph cannot be differentiated through the op, so it trains as written."""
+def run_training(register: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", TRAINING_SCRIPT.format(root=str(ROOT))],
+        [sys.executable, "-c", TRAINING_SCRIPT.format(root=str(ROOT), register=register)],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["fused"] == 0 and out["calls"] == 0 and out["grads"], out
-    assert len(out["fallbacks"]) == 1 and "registers no autograd for hpu::mixture_of_experts" in out["fallbacks"][0]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_bridge_with_training_ops_trains_fused_layers_through_its_recompute_backward():
+    """The double of a bridge with the MoE training ops (autograd on `.default` and `.fused_weights`,
+    backward through `mixture_of_experts_recomp_bwd`): those layers fuse in training and train like
+    eager; GPT-OSS's `.bias_fused_weights`, which the training ops do not cover, trains as written."""
+    out = run_training("register_training_gaudi_bridge")
+    for name, overload in (("static_dense_loop", "fused_weights"), ("modulelist_dense_mask", "default")):
+        got = out[name]
+        assert got["fused_training"] == [f"hpu::mixture_of_experts.{overload}"] * 2, got
+        assert f"recomp_bwd.{overload}" in got["calls"] and overload in got["calls"], got
+        assert got["weight_error"] < 1e-4, got
+    gpt_oss = out["gpt_oss_experts"]
+    assert gpt_oss["fused_training"] == [] and gpt_oss["calls"] == [], gpt_oss
+    assert gpt_oss["declined"] and all(
+        "no autograd for hpu::mixture_of_experts.bias_fused_weights" in reason for reason in gpt_oss["declined"]
+    ), gpt_oss
+    assert gpt_oss["weight_error"] < 1e-4, gpt_oss
+
+
+def test_a_bridge_without_autograd_keeps_training_layers_as_written_and_says_so():
+    """The double with the v1.19 schemas and no autograd kernel, as that bridge registers the op."""
+    out = run_training("register_fake_gaudi_bridge")
+    for name, got in out.items():
+        assert got["fused_training"] == [] and got["calls"] == [] and got["weight_error"] < 1e-4, (name, got)
+        assert got["declined"] and all("registers no autograd for hpu::mixture_of_experts." in reason
+                                       for reason in got["declined"]), (name, got)

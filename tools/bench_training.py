@@ -168,7 +168,7 @@ def _run_sizes(name, modules, steps, sizes, tokens, rounds, reps) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = [f"Forward + backward of one MoE layer, bfloat16, {result['device']} (torch {result['torch']}, "
-             f"transformers {result['transformers']}), {result['date']}. Command: `{result['command']}`.", "",
+             f"transformers {result['transformers']}), {result['date']}. Commands: `{result['command']}`.", "",
              "| model | tokens | form | inductor ms | hpu_moe ms | speed-up | inductor peak MiB | hpu_moe peak MiB "
              "| grad rel. error |", "|---|---|---|---|---|---|---|---|---|"]
     rows = {(r["model"], r["tokens"], r["variant"]): r for r in result["rows"]}
@@ -199,7 +199,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.render:
         runs = [json.load(open(path)) for path in args.render]
-        result = {**runs[0], "rows": [row for run in runs for row in run["rows"]]}
+        result = {**runs[0], "rows": [row for run in runs for row in run["rows"]],
+                  "command": "`; `".join(run["command"] for run in runs)}
     else:
         if not torch.cuda.is_available():
             print("needs a CUDA GPU", file=sys.stderr)
