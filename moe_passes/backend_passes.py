@@ -7,6 +7,8 @@
     fuse routing         softmax -> top-k -> renormalise chains become softmax_topk (passes/routing_fusion.py)
     stack weights        per-expert weight lists taken as stacked inputs, or moved into one storage
                          once the inner backend compiled (weight_stacks.py)
+    save activations     training with recompute=False: stacked calls as grouped matmuls whose
+                         activations the backward reads (fused_op.saving_forward)
     inner compile        the inner backend compiles the graph (rewritten, or as captured)
 
 Each pass reads and writes a `GraphState`; `pass_manager.PassManager` runs them.
@@ -24,6 +26,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from . import kernels, lowering
 from .adapters.hit_expert_loops import switched_settings_for_this_compile
+from .fused_op import STACKED_SCHEMAS, saving_forward
 from .fx_utils import source_line, val
 from .ir import (
     UntraceableConstruct,
@@ -32,6 +35,7 @@ from .ir import (
     to_canonical_aten,
     views_to_reshapes,
 )
+from .op_groups import grouped_mm_applies
 from .pass_manager import COMPILE, LOWER, BackendPass, GraphState
 from .passes import already_fused, routing_fusion
 from .passes.matches import RoutingInfo
@@ -214,6 +218,44 @@ class StackWeights(BackendPass):
             log.info("the compiled graph takes %d per-expert weight lists as stacks", len(stacking.taken.plan.groups))
 
 
+class SaveActivations(BackendPass):
+    """Training with the option `recompute=False`: each portable call over stacked weights is written as
+    its grouped matmuls (fused_op.saving_forward), whose activations the backward reads instead of
+    recomputing them: faster, and as much memory as the layer as written."""
+
+    name = "save activations"
+    phase = LOWER
+    what = "writing the training calls with saved activations"
+
+    def applies(self, state: GraphState) -> bool:
+        return state.training and state.target == "portable" and state.options.recompute is False
+
+    def run(self, state: GraphState) -> None:
+        graph, saved = state.rewritten, set()
+        for node in list(graph.graph.nodes):
+            if _grouped_stacked_call(node):
+                node.target = saving_forward(node.target._overloadname)
+                saved.add(node.meta.get(LAYER_META))
+        if saved:
+            graph.recompile()
+            state.record.fused[:] = [
+                dataclasses.replace(f, training_backward="saved activations") if f.layer in saved else f
+                for f in state.record.fused
+            ]
+
+
+def _grouped_stacked_call(node: torch.fx.Node) -> bool:
+    """A portable call over stacked weights whose inputs the grouped matmuls take (device, dtype, size)."""
+    if node.op != "call_function" or getattr(node.target, "_overloadname", None) not in STACKED_SCHEMAS:
+        return False
+    if node.target._schema.name != "moe_passes::mixture_of_experts":
+        return False
+    hidden, table = val(node.args[0]), val(node.args[1])
+    experts_min, experts_max = node.args[-2], node.args[-1]
+    return (isinstance(hidden, torch.Tensor) and isinstance(table, torch.Tensor)
+            and grouped_mm_applies(hidden, table, experts_max - experts_min + 1))
+
+
 def _after_compile(stacking: Stacking, record: GraphRecord) -> None:
     stacking.after_compile()
     _record_restacked(record, stacking.moved_after_compile)
@@ -251,7 +293,7 @@ class InnerCompile(BackendPass):
 
 
 REWRITE_PASSES: tuple[BackendPass, ...] = (Canonicalize(), Find(), Rewrite(), Verify())
-LOWER_PASSES: tuple[BackendPass, ...] = (FuseRouting(), StackWeights(), InnerCompile())
+LOWER_PASSES: tuple[BackendPass, ...] = (FuseRouting(), StackWeights(), SaveActivations(), InnerCompile())
 DEFAULT_PASSES: tuple[BackendPass, ...] = REWRITE_PASSES + LOWER_PASSES
 
 
@@ -354,6 +396,7 @@ def _fused(accepted: Accepted, node: torch.fx.Node, target: str, graph_index: in
         router_experts=match.router_experts or accepted.routing.num_experts,
         ids_checked=_ids_checked_text(match.ids_check),
         training=training,
+        training_backward="recompute" if training else None,
     )
 
 

@@ -419,6 +419,25 @@ def mixture_of_experts_bias_fused_weights(
     return _combine(hidden_states, expert_routing_table, router_weights, experts_min, count, expert)
 
 
+def saving_forward(overload: str) -> Callable:
+    """The stacked overload `overload` written as grouped matmuls, for a training graph whose activations
+    are saved rather than recomputed: AOTAutograd differentiates these ops with their own formulas (the
+    partitioner keeps the projections for the backward, as it does for the layer as written), instead of
+    this op's recompute backward. Where the grouped path does not apply, the op itself."""
+    op = getattr(OP, overload)
+
+    def forward(*args):
+        hidden_states, table, router_weights, gate_up, down, permuted, activation, experts_min, count, inter = (
+            _stacked_arguments(overload, args)
+        )
+        result = _grouped_fused(hidden_states, table, router_weights, gate_up, down, permuted,
+                                activation_function(activation), experts_min, count)
+        return op(*args) if result is None else result
+
+    forward.__name__ = f"mixture_of_experts_{overload}_saving"
+    return forward
+
+
 IMPLEMENTATIONS = {
     "default": mixture_of_experts,
     "fused_weights": mixture_of_experts_fused_weights,

@@ -28,6 +28,10 @@ class Options:
              the fused call's): for users who need eager's results rather than agreement within tolerance.
     forms:   the expert forms to look for, by name (default: all of `moe_passes.FORMS`); naming a
              subset turns the others off, to bisect which finder made a rewrite.
+    recompute: training graphs: True (default) lets each fused call's backward recompute the expert
+             projections (it saves only its inputs: least memory); False writes calls over stacked
+             weights as grouped matmuls whose activations are saved for the backward (faster; as much
+             memory as the layer as written). The Gaudi bridge makes this choice itself (`recomp`).
     skip_passes: names of the backend's passes to leave out (`moe_passes.backend.DEFAULT_PASSES`; e.g.
              ["fuse routing"], ["stack weights"]).
     custom_passes: the user's own `moe_passes.BackendPass` objects, run after the rewrite (they read
@@ -46,6 +50,7 @@ class Options:
     strict: bool = False
     forms: tuple[str, ...] | None = None
     fuse_routing: bool | None = None
+    recompute: bool = True
     skip_passes: tuple[str, ...] = ()
     custom_passes: tuple = ()
 
@@ -73,7 +78,7 @@ class Options:
             raise TypeError("hpu_moe option inner must be a backend name or a callable")
         if isinstance(parsed.inner, str):
             _check_backend_name(parsed.inner)
-        for flag in ("verify", "enabled", "adapters", "strict"):
+        for flag in ("verify", "enabled", "adapters", "strict", "recompute"):
             if not isinstance(getattr(parsed, flag), bool):
                 raise TypeError(f"hpu_moe option {flag} must be a bool")
         if parsed.fuse_routing is not None and not isinstance(parsed.fuse_routing, bool):

@@ -34,6 +34,7 @@ class Fused:
     # Ids no op of the graph bounds: how the call checks them, e.g. "0..7, negative ids wrapped (aten.index)"
     ids_checked: str | None = None
     training: bool = False  # fused in a graph that needs gradients (AOTAutograd differentiates the call)
+    training_backward: str | None = None  # "recompute" (the op's backward) or "saved activations"
 
     def experts_text(self) -> str:
         """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
@@ -257,7 +258,7 @@ class Report:
                 error += ", routing as one softmax_topk call"
             if f.ids_checked:
                 error += f", routing ids from outside the graph checked at run time: {f.ids_checked}"
-            trains = "fused (training), " if f.training else ""
+            trains = f"fused (training, {f.training_backward}), " if f.training else ""
             lines.append(
                 f"    [graph {f.graph}] {f.layer}: {trains}{f.form}, {f.experts_text()}, top-{f.top_k}, "
                 f"{f.activation}, routing {f.routing} -> {f.overload} ({f.target}){error}"

@@ -26,7 +26,8 @@ def _compile(options, name="hf_grouped_mm"):
 
 def test_the_declared_passes_run_in_order_and_each_is_timed():
     assert [p.name for p in DEFAULT_PASSES] == [
-        "canonicalize", "find", "rewrite", "verify", "fuse routing", "stack weights", "inner compile",
+        "canonicalize", "find", "rewrite", "verify", "fuse routing", "stack weights", "save activations",
+        "inner compile",
     ]
     report = _compile({"fuse_routing": True})
     assert len(report.fused) == 1 and report.fused[0].routing_fused, str(report)

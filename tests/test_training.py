@@ -106,7 +106,7 @@ def test_inductor_trains_a_fused_layer_in_bfloat16():
 def test_report_says_fused_in_training():
     model, args = FORMS["static_dense_loop"].build()
     *_, report = train_side_by_side(model, lambda m: first_tensor(m(*args)).sum(), {"inner": "aot_eager"}, steps=1)
-    assert "fused (training), " in str(report)
+    assert "fused (training, recompute), " in str(report)
     assert all(not f.routing_fused and not f.restacked and f.compiled_as is None for f in report.fused)
 
 
@@ -124,3 +124,33 @@ def test_per_expert_parameters_get_their_gradients_and_updates_are_read():
             experts[0].mul_(2.0)
         torch.testing.assert_close(first_tensor(compiled(*args)), first_tensor(model(*args)))
     assert all(f.training for f in session.report.fused) and session.report.fused, str(session.report)
+
+
+@pytest.mark.parametrize("name", ["hf_grouped_mm", "torchtitan_grouped_experts"])
+def test_saved_activations_train_like_eager(name):
+    """recompute=False: calls over stacked weights become grouped matmuls whose activations are saved."""
+    form = FORMS[name]
+    model, args = form.build()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eager_losses, compiled_losses, eager, twin, report = train_side_by_side(
+        model, lambda m: first_tensor(m(*args)).float().square().mean(),
+        {"inner": "aot_eager", "recompute": False}, dynamo_config(form), steps=5,
+    )
+    assert len(report.fused) == form.EXPECTED.fused, str(report)
+    assert all(f.training_backward == "saved activations" for f in report.fused), str(report)
+    assert "fused (training, saved activations), " in str(report)
+    assert_trained_alike(eager_losses, compiled_losses, eager, twin, initial)
+
+
+def test_per_expert_lists_keep_the_recompute_backward_with_recompute_off():
+    """Saving applies to calls over stacked weights; a ModuleList's call keeps the op's backward."""
+    model, args = FORMS["mixtral4_sparse_loop"].build()
+    *_, report = train_side_by_side(
+        model, lambda m: first_tensor(m(*args)).sum(), {"inner": "aot_eager", "recompute": False}, steps=1
+    )
+    assert report.fused and all(f.training_backward == "recompute" for f in report.fused), str(report)
+
+
+def test_recompute_must_be_a_bool():
+    with pytest.raises(TypeError, match="recompute must be a bool"):
+        moe_passes.Options.parse({"recompute": "no"})

@@ -7,7 +7,8 @@ bfloat16, 4,096 and 16,384 tokens, one set of weights and one router for every f
 - "torchtitan": torchtitan's grouped experts (`form_catalog/torchtitan_grouped_experts.py`: argsort,
   gather, three grouped GEMMs, scatter_add), compiled with inductor;
 - "hpu_moe[<form>]": the same module compiled with `hpu_moe` (portable target, inner inductor), where the
-  layer becomes one `mixture_of_experts` call with its recompute backward.
+  layer becomes one `mixture_of_experts` call with its recompute backward, and "hpu_moe[<form>] saved"
+  with the option `recompute=False` (the call written as grouped matmuls whose activations are saved).
 A step is `layer(x).backward(dy)` with the parameters and x requiring grad (gradients set to None before
 each step). Time: median of CUDA-event times over back-to-back steps, variants interleaved over
 `--rounds` rounds, median round kept. Memory: peak allocated during a step above what was allocated
@@ -81,12 +82,15 @@ def step_fn(compiled, module):
     return step
 
 
-def compile_variants(modules: dict, hpu_moe_backend) -> dict:
-    """{variant: step}: each module compiled once with inductor, once with hpu_moe."""
+def compile_variants(modules: dict) -> dict:
+    """{variant: step}: each module compiled with inductor, and with hpu_moe recomputing or saving activations."""
     steps = {}
     for form, module in modules.items():
         steps[form] = step_fn(torch.compile(module, backend="inductor", dynamic=False), module)
-        steps[f"hpu_moe[{form}]"] = step_fn(torch.compile(module, backend=hpu_moe_backend, dynamic=False), module)
+        for variant, recompute in ((f"hpu_moe[{form}]", True), (f"hpu_moe[{form}] saved", False)):
+            options = {"target": "portable", "inner": "inductor", "recompute": recompute}
+            compiled = torch.compile(module, backend="hpu_moe", options=options, dynamic=False)
+            steps[variant] = step_fn(compiled, module)
     return steps
 
 
@@ -122,8 +126,8 @@ def max_relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> flo
 
 def run_model(name: str, sizes: dict, tokens: list[int], rounds: int, reps: int) -> list[dict]:
     modules = build(name, sizes)
-    with moe_passes.explaining({"target": "portable", "inner": "inductor"}) as session:
-        rows = _run_sizes(name, modules, compile_variants(modules, session.backend), sizes, tokens, rounds, reps)
+    with moe_passes.explaining() as session:
+        rows = _run_sizes(name, modules, compile_variants(modules), sizes, tokens, rounds, reps)
     fused = [line.strip() for line in str(session.report).splitlines() if "fused (training)" in line]
     for row in rows:
         row["fused_training_layers"] = len(fused)  # over every variant and size of this model
@@ -151,8 +155,8 @@ def _run_sizes(name, modules, steps, sizes, tokens, rounds, reps) -> list[dict]:
         errors = {}
         for form, module in modules.items():
             want = gradients(steps[form], module, *inputs[0])
-            errors[f"hpu_moe[{form}]"] = max_relative_error(gradients(steps[f"hpu_moe[{form}]"], module, *inputs[0]),
-                                                            want)
+            for variant in (f"hpu_moe[{form}]", f"hpu_moe[{form}] saved"):
+                errors[variant] = max_relative_error(gradients(steps[variant], module, *inputs[0]), want)
         per_round = {variant: [] for variant in steps}
         for _ in range(rounds):
             for variant, step in steps.items():
@@ -169,18 +173,23 @@ def _run_sizes(name, modules, steps, sizes, tokens, rounds, reps) -> list[dict]:
 def markdown(result: dict) -> str:
     lines = [f"Forward + backward of one MoE layer, bfloat16, {result['device']} (torch {result['torch']}, "
              f"transformers {result['transformers']}), {result['date']}. Commands: `{result['command']}`.", "",
-             "| model | tokens | form | inductor ms | hpu_moe ms | speed-up | inductor peak MiB | hpu_moe peak MiB "
-             "| grad rel. error |", "|---|---|---|---|---|---|---|---|---|"]
+             "hpu_moe recomputes the projections in the backward (the default) or, with `recompute=False`, "
+             "saves them (\"saved\").", "",
+             "| model | tokens | form | inductor ms | hpu_moe ms | speed-up | saved ms | speed-up "
+             "| inductor peak MiB | hpu_moe peak MiB | saved peak MiB | grad rel. error (saved) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = {(r["model"], r["tokens"], r["variant"]): r for r in result["rows"]}
     for (model, tokens, variant), row in rows.items():
         if variant not in FORMS:
             continue
         ours = rows.get((model, tokens, f"hpu_moe[{variant}]"))
-        if ours is None:
+        saved = rows.get((model, tokens, f"hpu_moe[{variant}] saved"))
+        if ours is None or saved is None:
             continue
         lines.append(f"| {model} | {tokens} | {variant} | {row['ms']:.2f} | {ours['ms']:.2f} | "
-                     f"{row['ms'] / ours['ms']:.2f}x | {row['peak_mib']:.0f} | {ours['peak_mib']:.0f} | "
-                     f"{ours['grad_rel_error']:.2e} |")
+                     f"{row['ms'] / ours['ms']:.2f}x | {saved['ms']:.2f} | {row['ms'] / saved['ms']:.2f}x | "
+                     f"{row['peak_mib']:.0f} | {ours['peak_mib']:.0f} | {saved['peak_mib']:.0f} | "
+                     f"{ours['grad_rel_error']:.2e} ({saved['grad_rel_error']:.2e}) |")
     fused = {row["model"]: row.get("fused_training_layers") for row in result["rows"]}
     lines += ["", "Layers the hpu_moe report lists as fused (training), over all forms and sizes of a model: "
               + ", ".join(f"{model} {count}" for model, count in fused.items()) + "."]
