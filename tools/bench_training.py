@@ -36,6 +36,7 @@ import moe_passes  # noqa: E402
 from form_catalog._common import settings  # noqa: E402
 from form_catalog.torchtitan_grouped_experts import GroupedExpertsMoE  # noqa: E402
 from tools.bench_gpu import MODELS, transformers_block  # noqa: E402
+from tools.bench_kernel import time_ms  # noqa: E402
 
 TOKENS = (4096, 16384)
 # A small Qwen3-MoE-shaped layer that compiles in seconds: checks the tool itself (--models smoke).
@@ -94,17 +95,6 @@ def compile_variants(modules: dict) -> dict:
     return steps
 
 
-def time_steps(step, inputs, reps: int) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        step(*inputs[i % len(inputs)])
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-
-
 def peak_mib(step, inputs) -> float:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -160,7 +150,7 @@ def _run_sizes(name, modules, steps, sizes, tokens, rounds, reps) -> list[dict]:
         per_round = {variant: [] for variant in steps}
         for _ in range(rounds):
             for variant, step in steps.items():
-                per_round[variant].append(time_steps(step, inputs, reps))
+                per_round[variant].append(time_ms(step, inputs, reps=reps, warmup=0))
         memory = {variant: peak_mib(step, inputs) for variant, step in steps.items()}
         for variant in steps:
             rows.append({"model": name, "tokens": t, "variant": variant,
