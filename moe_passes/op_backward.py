@@ -331,7 +331,9 @@ def autograd_formula(overload: str):
         backward_op = getattr(torch.ops.moe_passes.mixture_of_experts_recomp_bwd, overload)
         hidden_states, table, router_weights, *rest = _saved_inputs(ctx)
         roles, options = rest[:roles_count], rest[roles_count:]
-        if not listed:  # stacks: the grouped backward, traced into the backward graph where it applies
+        # Stacks: the grouped backward, traced into the backward graph where it applies. bfloat16 only:
+        # grouped_mm's fake kernel takes no other dtype (the opaque op still runs float32 grouped on CPU).
+        if not listed and hidden_states.dtype == torch.bfloat16:
             direct = grouped_gradients(grad, hidden_states, table, router_weights, roles[:-1], roles[-1], *options)
             if direct is not None:
                 return (direct[0], None, direct[1], *direct[2:], *(None for _ in options))
