@@ -1,19 +1,22 @@
 """Gradients of the portable fused MoE op, so that a fused layer trains.
 
 For each routed pair (token t, expert e, router weight r) the forward adds r * y to out[t], with
-y = down(act(gate(x)) * up(x)). Given dout, the backward is
+y = down(h), h = act(gate(x)) * up(x). Given dout, with b = dout[t] W_down^T:
 
-    dr = <dout[t], y>          dy = r * dout[t]          then the MLP's backward on dy:
-    dW_down += h^T dy,  dh = dy W_down^T,  d_up = dh * act(g),  d_gate = act'(g) * dh * up,
+    dr = <b, h>  (= <dout[t], y>, without recomputing y)        dh = r * b
+    dW_down += h^T (r * dout[t]),  d_up = dh * act(g),  d_gate = act'(g) * dh * up,
     dW_gate += x^T d_gate,  dW_up += x^T d_up,  dx[t] += d_gate W_gate^T + d_up W_up^T
 
-over each expert's rows only. The forward saves its inputs and the backward recomputes the projections
-(the Gaudi bridge's `recomp` pair), so a fused layer holds no activations between forward and backward;
-the backward is one opaque op per overload, `mixture_of_experts_recomp_bwd.*`, named and ordered after
-the bridge's, that AOTAutograd and inductor take as one call. Over stacked weights it runs grouped matmuls
-(dX and the weight gradients grouped by expert); otherwise, and for the GPT-OSS form, a loop over the
-experts that received rows. It returns the gradients of hidden_states, router_weights and every weight
-role, in schema order, flattened (a list role gives one tensor per expert).
+over each expert's rows only. The forward saves its inputs and the backward recomputes the gate/up
+projection (the Gaudi bridge's `recomp` pair), so a fused layer holds no activations between forward
+and backward (the option `recompute=False` saves them instead: backend_passes.SaveActivations).
+Over stacked bfloat16 weights the backward is written in traceable ops, grouped matmuls for dX and for
+the weight gradients, so AOTAutograd records it in the backward graph and inductor fuses the
+elementwise work around them. Otherwise (per-expert lists, other dtypes, the GPT-OSS form) it is one
+opaque op per overload, `mixture_of_experts_recomp_bwd.*`, named and ordered after the bridge's, which
+runs grouped matmuls where the stacks allow, else a loop over the experts that received rows. Either
+way it returns the gradients of hidden_states, router_weights and every weight role, in schema order,
+flattened (a list role gives one tensor per expert).
 """
 
 from __future__ import annotations
