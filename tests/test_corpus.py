@@ -23,10 +23,10 @@ _spec.loader.exec_module(corpus_tool)
 # Measured on torch 2.13 (the development wheel); docs/corpus/after*.md hold the tables, torch 2.9 included.
 PINNED_ON = (2, 13)
 OUTCOMES = {
-    "arctic_moe": "not captured",
+    "arctic_moe": "fused",
     "colossalai_moe": "declined",
     "davidmrau_moe": "not captured",
-    "deepseek_moe_16b": "not captured",
+    "deepseek_moe_16b": "fused",
     "deepseek_v3_inference": "fused",
     "deepseek_vl2_moe": "fused",
     "fairseq_moe": "declined",

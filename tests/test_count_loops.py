@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from form_catalog import catalog
 from form_catalog.aria4_offset_segments import OffsetExperts, offset_matmul
 from form_catalog.deepseek_v2_count_loop import CountLoopMoE
 from moe_passes.adapters import hit_expert_loops
+from moe_passes.passes import probe
+from moe_passes.passes.experts_sparse_loop import CUT_TO_CAPACITY
 from tests.helpers import (
     assert_close_for_dtype,
     eager_output,
     run_hpu_moe,
     skip_unless_dynamo_slices_for,
+    torch_release,
 )
 
 FORM = catalog()["deepseek_v2_count_loop"]
@@ -147,3 +151,171 @@ def test_counts_handed_to_the_experts_are_captured_and_a_declined_block_still_co
     assert len(report.declined) == 1, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
     assert not torch._dynamo.config.capture_scalar_outputs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loops over running offsets that accumulate each expert's output (DeepSeek-MoE 16B's `moe_infer`; the
+# corpus entry `deepseek_moe_16b` mirrors that code). Written here as another author would.
+
+
+class OffsetLoopMoE(CountLoopMoE):
+    """bincount without minlength, offsets read to the host, one accumulation per expert."""
+
+    def segments(self, hidden_states, ids, weights):
+        flat_ids, flat_weights = ids.flatten(), weights.flatten()
+        out = torch.zeros_like(hidden_states)
+        order = torch.argsort(flat_ids)
+        offsets = torch.bincount(flat_ids).cumsum(0).tolist()
+        for e, end in enumerate(offsets):
+            start = 0 if e == 0 else offsets[e - 1]
+            if end == start:
+                continue
+            slots = order[start:end]
+            tokens = slots // ids.shape[1]
+            y = self.experts[e](hidden_states[tokens]) * flat_weights[slots, None]
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class ScatterReduceOffsets(CountLoopMoE):
+    """Offsets through numpy, in-place scaling, `scatter_reduce_(..., "sum")` over a repeated index."""
+
+    def segments(self, hidden_states, ids, weights):
+        flat_ids = ids.view(-1)
+        out = torch.zeros_like(hidden_states)
+        order = flat_ids.argsort()
+        offsets = flat_ids.bincount().cpu().numpy().cumsum(0)
+        token_of = order // ids.shape[1]
+        for i, end in enumerate(offsets):
+            start = 0 if i == 0 else offsets[i - 1]
+            if start == end:
+                continue
+            rows = token_of[start:end]
+            y = self.experts[i](hidden_states[rows])
+            y.mul_(weights.view(-1, 1)[order[start:end]])
+            out.scatter_reduce_(0, rows.view(-1, 1).repeat(1, hidden_states.shape[-1]), y, reduce="sum")
+        return out
+
+
+@pytest.mark.parametrize("cls", [OffsetLoopMoE, ScatterReduceOffsets], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(tokens=1, num_experts=8), dict(top_k=1)], ids=["default", "one_token", "top1"]
+)
+def test_offset_loop_fused_and_equal(cls, overrides):
+    """One graph and one fused call per layer; with one token, trailing experts get no bin from bincount
+    (its length is the largest id + 1) and are still visited with no rows."""
+    model, inputs = FORM.build(layers=1, **overrides)
+    model.moes[0].__class__ = cls
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    assert not torch._dynamo.config.capture_scalar_outputs
+
+
+class OffsetCapacity(CountLoopMoE):
+    """Each expert keeps at most 2 of its slots: a capacity in the bounds, which probes rarely reach."""
+
+    def segments(self, hidden_states, ids, weights):
+        flat_ids, flat_weights = ids.flatten(), weights.flatten()
+        out = torch.zeros_like(hidden_states)
+        order = torch.argsort(flat_ids)
+        offsets = torch.nn.functional.one_hot(flat_ids, len(self.experts)).sum(0).cumsum(0).tolist()
+        for e, end in enumerate(offsets):
+            start = 0 if e == 0 else offsets[e - 1]
+            slots = order[start:min(end, start + 2)]
+            tokens = slots // ids.shape[1]
+            out.index_add_(0, tokens, self.experts[e](hidden_states[tokens]) * flat_weights[slots, None])
+        return out
+
+
+def test_segment_cut_to_a_capacity_is_declined():
+    """Captured in one graph (the user's dynamo settings), the loop is read, and the `min` in its
+    bounds declines it: a threshold the probe routings rarely reach."""
+    model, inputs = FORM.build(layers=1, tokens=16)
+    model.moes[0].__class__ = OffsetCapacity
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        report, output, recorder = run_hpu_moe(model, inputs)
+    assert not recorder.fused_nodes(), str(report)
+    if report.graph_count == 1:
+        assert [d.reason for d in report.declined] == [CUT_TO_CAPACITY], str(report)
+    else:  # torch 2.9's dynamo cannot decide the slice at `min(end, start + 2)`: it breaks the graph there
+        assert torch_release() < (2, 13) and "Min(" in report.break_reasons[0], str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_probes_refuse_a_threshold_on_positions():
+    """GShard's position of a slot in its expert (`cumsum(mask) - 1`) kept under a capacity."""
+    graph = make_fx(lambda mask: (mask.cumsum(0) - 1) < 3)(torch.ones(8, 4, dtype=torch.int64)).graph
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    placeholder = next(n for n in graph.nodes if n.op == "placeholder")
+    with pytest.raises(probe.NotProbeable, match="threshold"):
+        probe.evaluate(nodes, {placeholder: torch.ones(8, 4, dtype=torch.int64)})
+
+
+class OffsetLoopAppends(CountLoopMoE):
+    def segments(self, hidden_states, ids, weights):
+        order = ids.view(-1).argsort()
+        offsets = ids.view(-1).bincount().cumsum(0).tolist()
+        out, seen = torch.zeros_like(hidden_states), []
+        for i, end in enumerate(offsets):
+            start = 0 if i == 0 else offsets[i - 1]
+            if start == end:
+                continue
+            seen.append(i)
+            rows = order[start:end] // ids.shape[1]
+            out.index_add_(0, rows, self.experts[i](hidden_states[rows]))
+        return out
+
+
+def test_offset_loop_guard_kept_with_the_construct_named():
+    _, _, plan = hit_expert_loops.analyse(OffsetLoopAppends.segments)
+    assert not plan.guards and len(plan.kept_guards) == 1
+    assert "`seen.append(i)` in the loop over the offsets may act for an expert with no rows" in plan.kept_guards[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows split at host counts and zipped with the experts (Snowflake Arctic; corpus entry `arctic_moe`).
+
+
+class ZipPieces(CountLoopMoE):
+    def segments(self, hidden_states, ids, weights):
+        out = torch.zeros_like(hidden_states)
+        experts_of = torch.arange(len(self.experts), device=ids.device)[:, None, None]
+        which, tok, slot = torch.where(experts_of == ids)
+        sizes = torch.bincount(which, minlength=len(self.experts)).tolist()
+        for expert, t, s in zip(self.experts, tok.split(sizes), torch.split(slot, sizes), strict=True):
+            if t.numel() == 0:
+                continue
+            out.index_add_(0, t, expert(hidden_states[t]) * weights[t.tolist(), s.tolist(), None])
+        return out
+
+
+class ZipPiecesOfSortedIds(CountLoopMoE):
+    """The counts' length is the largest id + 1 when an id reaches the minlength: not proved here."""
+
+    def segments(self, hidden_states, ids, weights):
+        out = torch.zeros_like(hidden_states)
+        order = ids.flatten().argsort()
+        sizes = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        for expert, slots in zip(self.experts, order.split(sizes), strict=True):
+            if slots.numel() == 0:
+                continue
+            t = slots // ids.shape[1]
+            out.index_add_(0, t, expert(hidden_states[t]) * weights.flatten()[slots, None])
+        return out
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tokens=1, num_experts=8)], ids=["default", "one_token"])
+def test_zipped_pieces_fused_and_equal(overrides):
+    model, inputs = FORM.build(layers=1, **overrides)
+    model.moes[0].__class__ = ZipPieces
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_zipped_pieces_of_counts_of_unproved_length_left_as_written():
+    with pytest.raises(hit_expert_loops.NotAdaptable, match="not proved below its minlength"):
+        hit_expert_loops.analyse(ZipPiecesOfSortedIds.segments)

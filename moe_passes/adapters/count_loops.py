@@ -35,6 +35,7 @@ from .source_ast import (
     defining_bindings,
     loads,
     stored_names,
+    strip_methods,
     walk_function,
 )
 
@@ -320,3 +321,273 @@ def _check_reads_after(loop: ast.For, fn_def: ast.FunctionDef, local: set[str], 
             raise NotAdaptable(f"line {node.lineno}: {node.id}, bound in the loop over the counts, is read after it")
         if node.id in lists and id(node) not in allowed:
             raise NotAdaptable(f"line {node.lineno}: the list {node.id} is read other than by torch.cat after the loop")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loops over the running offsets of the counts (DeepSeek-MoE 16B's `moe_infer`)
+#
+#     offsets = flat_ids.bincount().cpu().numpy().cumsum(0)
+#     for i, end in enumerate(offsets):
+#         start = 0 if i == 0 else offsets[i - 1]
+#         if start == end:
+#             continue                       # a data-dependent branch: dynamo breaks the graph here
+#         rows = token_of[start:end]
+#         y = self.experts[i](x[rows])
+#         y.mul_(flat_weights[order[start:end]])
+#         out.scatter_reduce_(0, rows.view(-1, 1).repeat(1, x.shape[-1]), y, reduce="sum")
+#
+# Why the guard can go: when start == end, every cut `X[start:end]` is empty, so the accumulation
+# (the body's one effect outside the iteration) adds nothing at no rows; every other statement binds
+# names of one iteration or updates their tensors in place. `bincount()` has a data-dependent length
+# (max id + 1), which the trace cannot iterate: it is counted into one bin per expert the loop indexes
+# (`len(self.experts)`); the bins past the largest id are zero, so their iterations cut no rows either,
+# and an id past the experts, on which the original loop raises IndexError, makes the count raise.
+
+_ACCUMULATING = {"index_add_", "index_put_", "scatter_add_", "scatter_reduce_"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCounts:
+    """A `bincount` read by an offset loop: counted into `length` bins instead (`length` is an
+    expression of the method, `len(self.experts)`)."""
+
+    at: tuple[int, int, int, int]  # where the call stands (line, column, end line, end column)
+    length: str
+
+
+def offset_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> tuple[CountLoop, FixedCounts | None] | None:
+    """(the loop, the bincount to count into fixed bins) when `loop` runs over running offsets and its
+    `if start == end: continue` is proved removable; None when it is not such a loop; NotAdaptable
+    names what stops the proof."""
+    target, iterated = loop.target, loop.iter
+    if not (call_name(iterated) == "enumerate" and isinstance(iterated.func, ast.Name) and len(iterated.args) == 1
+            and isinstance(iterated.args[0], ast.Name) and isinstance(target, ast.Tuple) and len(target.elts) == 2
+            and all(isinstance(t, ast.Name) for t in target.elts)):
+        return None
+    offsets, (index, end) = iterated.args[0].id, (t.id for t in target.elts)
+    counts = _cumsum_operand(offsets, assignments)
+    if counts is None:
+        return None
+    start, guard = _previous_offset(loop.body, index, offsets), None
+    if start is None:
+        return None
+    for position, stmt in enumerate(loop.body):
+        if _skips_equal(stmt, start, end):
+            guard = position
+            break
+        if not (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets)):
+            return None
+    if guard is None:
+        return None
+    if loop.orelse:
+        raise NotAdaptable(f"line {loop.lineno}: the loop over the offsets has an else")
+    body = loop.body[:guard] + loop.body[guard + 1:]
+    bound, cut, accumulations = {index, end}, set(), []
+    for stmt in body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            names = stored_names(stmt.targets[0])
+            if {offsets, index, end} & set(names):
+                raise NotAdaptable(f"line {stmt.lineno}: the loop re-binds {', '.join(sorted({offsets, index, end} & set(names)))}")
+            if _is_cut(stmt.value, start, end) or _derives_from(stmt.value, cut):
+                cut.update(names)
+            bound.update(names)
+        elif isinstance(stmt, ast.Expr) and call_name(stmt.value) in _ACCUMULATING | _IN_PLACE:
+            receiver = stmt.value.func.value if isinstance(stmt.value.func, ast.Attribute) else None
+            if not isinstance(receiver, ast.Name):
+                raise NotAdaptable(f"line {stmt.lineno}: `{ast.unparse(stmt)[:50]}` updates no named tensor")
+            if receiver.id not in bound:
+                accumulations.append(stmt.value)
+            elif call_name(stmt.value) not in _IN_PLACE:
+                raise NotAdaptable(f"line {stmt.lineno}: an accumulation into {receiver.id}, bound in the loop")
+        else:
+            code = ast.unparse(stmt).splitlines()[0][:60]
+            raise NotAdaptable(
+                f"line {stmt.lineno}: `{code}` in the loop over the offsets may act for an expert with no rows; "
+                "only name bindings, in-place updates of them and one accumulation may"
+            )
+    if len(accumulations) != 1:
+        raise NotAdaptable(f"line {loop.lineno}: the loop over the offsets accumulates {len(accumulations)} times, not once")
+    rows = _accumulated_rows(accumulations[0])
+    if rows is None or not _derives_from(rows, cut):
+        raise NotAdaptable(
+            f"line {accumulations[0].lineno}: the accumulated rows are not cut between the offsets {start} and {end}"
+        )
+    _check_reads_after(loop, fn_def, bound - {index, end}, set())
+    fixed = _fixed_counts(counts, loop, index)
+    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset({start, end})), fixed
+
+
+_IN_PLACE = {"mul_", "div_", "add_", "sub_", "copy_", "clamp_"}
+
+
+def _cumsum_operand(offsets: str, assignments: dict) -> ast.AST | None:
+    """C for offsets bound once to `C.cumsum(0)` (through host copies: `.cpu()`, `.numpy()`,
+    `.tolist()`), C per-expert counts or a `bincount`."""
+    bound = defining_bindings(offsets, assignments)
+    if not bound or len(bound) != 1:
+        return None
+    value = bound[0].value
+    while call_name(value) in ("cpu", "numpy", "tolist") and isinstance(value.func, ast.Attribute):
+        value = value.func.value
+    if call_name(value) != "cumsum" or not isinstance(value.func, ast.Attribute):
+        return None
+    dims = value.args or [k.value for k in value.keywords if k.arg in ("dim", "axis")]
+    if not (len(dims) == 1 and isinstance(dims[0], ast.Constant) and dims[0].value in (0, -1)):
+        return None
+    counts = value.func.value
+    while call_name(counts) in ("cpu", "numpy") and isinstance(counts.func, ast.Attribute):
+        counts = counts.func.value
+    return counts if call_name(counts) == "bincount" or is_count(counts, assignments) else None
+
+
+def _previous_offset(body: list[ast.stmt], index: str, offsets: str) -> str | None:
+    """S for `S = 0 if i == 0 else offsets[i - 1]` among the leading bindings of the body."""
+    for stmt in body:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            return None
+        value = stmt.value
+        if (isinstance(value, ast.IfExp) and ast.unparse(value.test) == f"{index} == 0"
+                and isinstance(value.body, ast.Constant) and value.body.value == 0
+                and ast.unparse(value.orelse) == f"{offsets}[{index} - 1]"):
+            return stmt.targets[0].id
+    return None
+
+
+def _skips_equal(stmt: ast.stmt, start: str, end: str) -> bool:
+    """`if start == end: continue` (either order)."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return False
+    test = stmt.test
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+            and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {start, end})
+
+
+def _is_cut(value: ast.AST, start: str, end: str) -> bool:
+    """`X[start:end]`."""
+    return (isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Slice) and value.slice.step is None
+            and isinstance(value.slice.lower, ast.Name) and value.slice.lower.id == start
+            and isinstance(value.slice.upper, ast.Name) and value.slice.upper.id == end)
+
+
+def _accumulated_rows(call: ast.Call) -> ast.AST | None:
+    """The rows argument of `out.index_add_(0, rows, y)`, `out.index_put_((rows,), y, accumulate=True)`,
+    or `out.scatter_add_(0, idx, y)` / `out.scatter_reduce_(0, idx, y, reduce="sum")` (idx, the rows
+    broadcast over the hidden dim); None for other accumulations."""
+    method, args = call.func.attr, call.args
+    keywords = {k.arg: k.value for k in call.keywords}
+    if method == "index_put_":
+        accumulate = args[2] if len(args) > 2 else keywords.get("accumulate")
+        indices = args[0] if args else keywords.get("indices")
+        if isinstance(accumulate, ast.Constant) and accumulate.value is True and isinstance(
+                indices, ast.Tuple | ast.List) and len(indices.elts) == 1:
+            return indices.elts[0]
+        return None
+    dim = args[0] if args else keywords.get("dim")
+    if not (isinstance(dim, ast.Constant) and dim.value == 0):
+        return None
+    if method == "scatter_reduce_":
+        reduce = args[3] if len(args) > 3 else keywords.get("reduce")
+        if not (isinstance(reduce, ast.Constant) and reduce.value == "sum") or "include_self" in keywords:
+            return None
+    return args[1] if len(args) > 1 else keywords.get("index")
+
+
+def _derives_from(expr: ast.AST, cut: set[str]) -> bool:
+    """`expr` has a row per row of a cut (names in `cut`), so none when the cut is empty: the name,
+    through view-like methods, `repeat`/`expand`, arithmetic with it (`slots // k`) and gathers indexed
+    by it (`token_of[slots]`)."""
+    expr = strip_methods(expr, VIEW_METHODS | {"repeat", "expand", "unsqueeze", "squeeze", "flatten"})
+    if isinstance(expr, ast.BinOp):
+        return _derives_from(expr.left, cut) or _derives_from(expr.right, cut)
+    if isinstance(expr, ast.Subscript) and not isinstance(expr.slice, ast.Slice | ast.Tuple):
+        return _derives_from(expr.slice, cut)
+    return isinstance(expr, ast.Name) and expr.id in cut
+
+
+def _fixed_counts(counts: ast.AST, loop: ast.For, index: str) -> FixedCounts | None:
+    """The bincount to count into one bin per expert, the experts being the module list the loop
+    indexes with its index (`self.experts[i]`); None for counts of a fixed length already."""
+    if call_name(counts) != "bincount":
+        return None
+    is_function = isinstance(counts.func, ast.Attribute) and isinstance(counts.func.value, ast.Name) and (
+        counts.func.value.id == "torch")
+    if counts.keywords or len(counts.args) != (1 if is_function else 0):
+        raise NotAdaptable(f"line {counts.lineno}: `{ast.unparse(counts)[:50]}` is not a plain count of the ids")
+    containers = {ast.unparse(n.value) for n in ast.walk(loop) if isinstance(n, ast.Subscript)
+                  and isinstance(n.slice, ast.Name) and n.slice.id == index and isinstance(n.value, ast.Attribute)}
+    if len(containers) != 1:
+        raise NotAdaptable(f"line {loop.lineno}: the bincount's length is data-dependent, and the loop indexes no one "
+                           "expert list with its index")
+    where = (counts.lineno, counts.col_offset, counts.end_lineno, counts.end_col_offset)
+    return FixedCounts(where, f"len({containers.pop()})")
+
+
+def split_counts(sizes: str, assignments: dict) -> FixedCounts | None:
+    """For split sizes `sizes` bound once to `bincount(X, minlength=M).tolist()`: the bincount counted
+    into M bins, where X is proved below M; None for sizes of a fixed length already (`M.sum(0)`,
+    `histc`). A bincount whose ids are not proved below M is NotAdaptable: its length is then
+    data-dependent, and a list of data-dependent length cannot be traced."""
+    bound = defining_bindings(sizes, assignments) if sizes.isidentifier() else None
+    if not bound or len(bound) != 1 or not isinstance(bound[0], ast.Assign):
+        return None
+    value = bound[0].value
+    while call_name(value) in ("cpu", "numpy", "tolist") and isinstance(value.func, ast.Attribute):
+        value = value.func.value
+    if call_name(value) != "bincount" or any(k.arg == "weights" for k in value.keywords):
+        return None
+    is_function = isinstance(value.func, ast.Attribute) and isinstance(value.func.value, ast.Name) and (
+        value.func.value.id == "torch")
+    ids = value.args[0] if is_function and value.args else (value.func.value if not is_function else None)
+    minlength = next((k.value for k in value.keywords if k.arg == "minlength"), None)
+    if minlength is None and len(value.args) > (2 if is_function else 1):
+        minlength = value.args[-1]
+    if ids is None or minlength is None or not _ids_below(ids, minlength, assignments):
+        raise NotAdaptable(
+            f"line {value.lineno}: the split sizes come from `{ast.unparse(value)[:50]}`, whose length depends on "
+            "the ids (not proved below its minlength)"
+        )
+    where = (value.lineno, value.col_offset, value.end_lineno, value.end_col_offset)
+    return FixedCounts(where, ast.unparse(minlength))
+
+
+def _ids_below(ids: ast.AST, bound: ast.AST, assignments: dict) -> bool:
+    """`ids` are the first of `torch.where(A == R)` (R on either side), R being `arange(bound)` made the
+    leading dim of the comparison (`.view(bound, 1, 1)`, `[:, None, None]`): positions along R, so each
+    is below `bound`."""
+    if not isinstance(ids, ast.Name):
+        return False
+    defined = defining_bindings(ids.id, assignments)
+    if not defined or len(defined) != 1 or not isinstance(defined[0], ast.Assign):
+        return False
+    target, value = defined[0].targets[0], defined[0].value
+    if not (isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[0], ast.Name)
+            and target.elts[0].id == ids.id and call_name(value) == "where" and len(value.args) == 1):
+        return False
+    test = value.args[0]
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    return any(_leading_arange(side, bound, assignments) for side in (test.left, test.comparators[0]))
+
+
+def _leading_arange(expr: ast.AST, bound: ast.AST, assignments: dict) -> bool:
+    if isinstance(expr, ast.Name):
+        defined = defining_bindings(expr.id, assignments)
+        if not defined or len(defined) != 1 or not isinstance(defined[0], ast.Assign):
+            return False
+        expr = defined[0].value
+    if call_name(expr) in ("view", "reshape") and isinstance(expr.func, ast.Attribute):
+        dims = expr.args[0].elts if len(expr.args) == 1 and isinstance(expr.args[0], ast.Tuple) else expr.args
+        if not (dims and ast.unparse(dims[0]) == ast.unparse(bound)
+                and all(isinstance(d, ast.Constant) and d.value == 1 for d in dims[1:])):
+            return False
+        inner = expr.func.value
+    elif isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Tuple):
+        first, *rest = expr.slice.elts
+        if not (isinstance(first, ast.Slice) and first.lower is None and first.upper is None
+                and all(isinstance(r, ast.Constant) and r.value is None for r in rest)):
+            return False
+        inner = expr.value
+    else:
+        return False
+    return (call_name(inner) == "arange" and len(inner.args) == 1
+            and ast.unparse(inner.args[0]) == ast.unparse(bound))

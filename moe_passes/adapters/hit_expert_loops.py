@@ -54,7 +54,14 @@ import types
 
 import torch
 
-from .count_loops import CountLoop, count_loop, reads_counts_as_numbers
+from .count_loops import (
+    CountLoop,
+    FixedCounts,
+    count_loop,
+    offset_loop,
+    reads_counts_as_numbers,
+    split_counts,
+)
 from .host_reads import (
     CutToCapacity,
     ListIndex,
@@ -65,6 +72,7 @@ from .host_reads import (
     data_length_names,
     link_parents,
     list_indices,
+    split_pieces,
     splits_by_host_sizes,
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
@@ -392,8 +400,15 @@ def _bincount_of(counts: str, source: str, fn_def: ast.FunctionDef) -> bool:
     return isinstance(ids, ast.Name) and ids.id == source
 
 
+def _piece_rows(zipped) -> dict[str, int]:
+    """The pieces of a split loop as rows for `_check_body`: pieces split at the same counts are empty
+    together, so they share one key (a negative number standing for the counts)."""
+    keys = {source: -1 - i for i, source in enumerate(dict.fromkeys(zipped.pieces.values()))}
+    return {name: keys[source] for name, source in zipped.pieces.items()}
+
+
 def _check_body(
-    loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef
+    loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef, given_rows: dict[str, int] | None = None,
 ) -> tuple[list[int], list[int]]:
     """The body's only effect is one accumulation at rows that are empty for an expert not hit.
 
@@ -404,7 +419,7 @@ def _check_body(
     Python index.
     """
     bound: set[str] = set()
-    rows: dict[str, int] = {}  # name -> line of the torch.where / nonzero that bound it
+    rows: dict[str, int] = dict(given_rows or {})  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
@@ -574,11 +589,12 @@ class Plan:
     selecting: tuple[int, ...] = ()  # lines of the loops that select tokens (shapes captured around them)
     dropped: tuple[int, ...] = ()  # lines of bindings read only by removed guards (host-read counts)
     cuts: tuple[int, ...] = ()  # lines of `A[:c] if A.numel() > c else A` in token-selecting loops (host_reads)
+    fixed_counts: tuple[FixedCounts, ...] = ()  # bincounts an offset loop reads, counted into one bin per expert
 
     def changes_anything(self) -> bool:
         return bool(
             self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
-            or self.list_indices or self.dropped or self.cuts
+            or self.list_indices or self.dropped or self.cuts or self.fixed_counts
         )
 
 
@@ -594,7 +610,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     link_parents(fn_def)
     assignments = bindings(fn_def)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    loops, guards, captures, kept, count_loops, lists, selecting = [], [], False, [], [], [], []
+    loops, guards, captures, kept, count_loops, lists, selecting, fixed = [], [], False, [], [], [], [], []
+    pieces: dict[str, str] = {}  # names of pieces of rows split at host counts -> the counts
     selected_anywhere = {n for stmt in walk_function(fn_def) for n in _rows_names(stmt, None, "")}
     for node in walk_function(fn_def):
         if not isinstance(node, ast.For):
@@ -604,6 +621,9 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             lists.extend(list_indices(node, selected))
         try:
             counted = count_loop(node, assignments, fn_def)
+            if counted is None and (over_offsets := offset_loop(node, assignments, fn_def)) is not None:
+                counted = over_offsets[0]
+                fixed.extend(over_offsets[1:2] if over_offsets[1] is not None else [])
             if counted is not None:
                 count_loops.append(counted)
                 guards.append(counted.guard)
@@ -614,6 +634,19 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         captures = captures or selects
         if selects:
             selecting.append(node.lineno)
+        zipped = split_pieces(node, assignments)
+        if zipped is not None:  # rows split at host counts, zipped with the experts (Arctic)
+            for sizes in dict.fromkeys(zipped.pieces.values()):
+                counted_into = split_counts(sizes, assignments)
+                fixed.extend([counted_into] if counted_into is not None and counted_into not in fixed else [])
+            pieces.update(zipped.pieces)
+            lists.extend(list_indices(node, set(zipped.pieces)))
+            if any(isinstance(s, ast.If) for s in node.body):
+                try:
+                    guards.extend(_check_body(node, "", None, fn_def, _piece_rows(zipped))[0])
+                except NotAdaptable as exc:
+                    kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
+            continue
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
         bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
         operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
@@ -635,21 +668,23 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     calls = adapted_calls(fn)
-    scalars = bool(calls) or reads_counts_as_numbers(fn_def, assignments) or splits_by_host_sizes(fn_def, assignments)
+    scalars = (bool(calls) or bool(count_loops) or bool(pieces) or reads_counts_as_numbers(fn_def, assignments)
+               or splits_by_host_sizes(fn_def, assignments))
     cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node)
                  for line in capacity_cuts(node))
     plan = Plan(
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting),
-        _read_only_by(fn_def, set(guards)), cuts,
+        _read_only_by(fn_def, set(guards)), cuts, tuple(fixed),
     )
     if plan.captures_shapes or plan.captures_scalars:
-        check_length_reads(fn_def, data_length_names(fn_def, selected_anywhere), _handled_reads(fn_def, plan))
+        lengths = data_length_names(fn_def, selected_anywhere | set(pieces))
+        check_length_reads(fn_def, lengths, _handled_reads(fn_def, plan))
     return fn_def, filename, plan
 
 
 def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:
     """ids of the `.tolist()` calls the traced copy does without (list indices, dropped bindings)."""
-    lines = {item.line for item in plan.list_indices}
+    lines = {item.line for item in plan.list_indices if item.at is None}
     handled = set()
     for node in walk_function(fn_def):
         if isinstance(node, ast.Assign) and node.lineno in lines:
@@ -657,6 +692,16 @@ def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:
             handled.update(id(v) for v in values)
         if isinstance(node, ast.Assign) and node.lineno in plan.dropped:
             handled.update(id(n) for n in ast.walk(node.value))
+    inline = {item.at for item in plan.list_indices if item.at is not None}
+    for node in walk_function(fn_def):
+        if isinstance(node, ast.Call) and (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset) in inline:
+            handled.add(id(node))
+    fixed = {f.at for f in plan.fixed_counts}  # counted into one bin per expert: a fixed length
+    for node in walk_function(fn_def):
+        if call_name(node) == "tolist" and isinstance(node.func, ast.Attribute):
+            receiver = strip_methods(node.func.value, {"cpu", "numpy"})
+            if (receiver.lineno, receiver.col_offset, receiver.end_lineno, receiver.end_col_offset) in fixed:
+                handled.add(id(node))
     return handled
 
 
@@ -788,8 +833,15 @@ class _Rewrite(ast.NodeTransformer):
         self.calls = set(plan.calls)
         self.selecting = set(plan.selecting)
         self.dropped = set(plan.dropped)
+        self.fixed_counts = {f.at: f for f in plan.fixed_counts}
 
     def visit_Call(self, node: ast.Call):
+        fixed = self.fixed_counts.get((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset))
+        if fixed is not None:  # bincount -> one bin per expert (count_loops.offset_loop says why)
+            ids = node.func.value if isinstance(node.func, ast.Attribute) and not node.args else node.args[0]
+            call = _parse_expr(f"{_HELPERS}.expert_counts(__X__, {fixed.length})")
+            call.args[0] = self.generic_visit(ids)
+            return ast.copy_location(call, node)
         node = self.generic_visit(node)
         if isinstance(node.func, ast.Name) and node.func.id in self.calls:  # the copy that cuts at numbers
             node.func = ast.copy_location(_parse_expr(f"{_HELPERS}.call_{node.func.id}"), node.func)
@@ -994,6 +1046,14 @@ def index_value(row: torch.Tensor, index: int, every_row: bool):
     return index if every_row else row
 
 
+def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """`bincount(ids)` in `experts` bins: one count per expert, a fixed length the trace can iterate
+    (the bins past the largest id are zero); an id outside 0..experts-1 raises, as indexing the
+    experts with it would."""
+    flat = ids.reshape(-1)
+    return torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+
+
 def scalar_index(row: torch.Tensor, index: int, every_row: bool):
     """The Python int for a 0-dim row when rows are 0..n-1: the same index, read without the data."""
     return index if every_row and row.dim() == 0 else row
@@ -1103,6 +1163,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
         stop_capturing_dynamic_output_shapes=_stop_capturing_dynamic_output_shapes,
         capture_scalar_outputs=_capture_scalar_outputs,
+        expert_counts=expert_counts,
     )
 
 

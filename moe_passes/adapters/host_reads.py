@@ -51,6 +51,7 @@ class ListIndex:
     line: int
     name: str
     rows: str
+    at: tuple[int, int, int, int] | None = None  # an inline `rows.tolist()` index (name ""): where it stands
 
 
 def length_reads(fn_def: ast.FunctionDef, rows: set[str]) -> list[ast.Call]:
@@ -92,6 +93,11 @@ def list_indices(loop: ast.For, rows: set[str]) -> list[ListIndex]:
                 continue
             if bound.count(name) == 1 and all(_as_index(use) for use in _loads_of(loop, name)):
                 found.append(ListIndex(stmt.lineno, name, value.func.value.id))
+    for call in ast.walk(loop):  # `w[r.tolist(), s.tolist(), None]`: the lists read in place as indices
+        if (call_name(call) == "tolist" and isinstance(call.func, ast.Attribute) and not call.args
+                and isinstance(call.func.value, ast.Name) and call.func.value.id in rows and _as_index(call)):
+            where = (call.lineno, call.col_offset, call.end_lineno, call.end_col_offset)
+            found.append(ListIndex(call.lineno, "", call.func.value.id, where))
     return found
 
 
@@ -273,7 +279,14 @@ class ReplaceListIndices(ast.NodeTransformer):
     """Drops each `name = rows.tolist()` of `found` and indexes with `rows` where `name` was read."""
 
     def __init__(self, found: list[ListIndex]):
-        self.rows = {item.name: item.rows for item in found}
+        self.rows = {item.name: item.rows for item in found if item.at is None}
+        self.inline = {item.at: item.rows for item in found if item.at is not None}
+
+    def visit_Call(self, node: ast.Call):
+        rows = self.inline.get((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset))
+        if rows is not None:
+            return ast.copy_location(ast.Name(rows, ast.Load()), node)
+        return self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign):
         pairs = _pairs(node)
@@ -287,5 +300,59 @@ class ReplaceListIndices(ast.NodeTransformer):
         return node
 
 
+
+# ---------------------------------------------------------------------------------------------------
+# Loops over the pieces of rows split at host counts, zipped with the experts (Snowflake Arctic)
+#
+#     expert_idx, token_idx, slot_idx = torch.where(chosen == torch.arange(E).view(E, 1, 1))
+#     counts = torch.bincount(expert_idx, minlength=E).tolist()
+#     for expert, rows, slots in zip(self.experts, token_idx.split(counts), slot_idx.split(counts)):
+#         if rows.shape[0] == 0:
+#             continue
+#         ...
+#         out.index_add_(0, rows, y)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPieces:
+    """A `for ... in zip(self.<experts>, A.split(sizes), ...)` loop: its piece names -> the sizes' source."""
+
+    line: int
+    pieces: dict
+
+
+def split_pieces(loop: ast.For, assignments: dict) -> SplitPieces | None:
+    """The loop as SplitPieces when it zips one of the module's own expert containers with pieces of
+    tensors split at sizes read on the host (directly, or names bound once to such splits); else None."""
+    if call_name(loop.iter) != "zip" or not isinstance(loop.iter.func, ast.Name) or not isinstance(loop.target, ast.Tuple):
+        return None
+    if len(loop.target.elts) != len(loop.iter.args) or not all(isinstance(t, ast.Name) for t in loop.target.elts):
+        return None
+    pieces, owned = {}, False
+    for target, source in zip(loop.target.elts, loop.iter.args, strict=True):
+        split = _split_source(source, assignments, loop.lineno)
+        if split is not None:
+            pieces[target.id] = split
+        owned |= _owned(source)
+    return SplitPieces(loop.lineno, pieces) if pieces and owned else None
+
+
+def _split_source(expr: ast.AST, assignments: dict, line: int) -> str | None:
+    """The sizes' source (`counts` of `counts.tolist()`, unparsed) of a split at host sizes, through the
+    name's last binding before `line` (`token_idx = token_idx.split(counts)`), when no binding follows it
+    up to the loop; None for anything else."""
+    if isinstance(expr, ast.Name):
+        bound = sorted((b for b in assignments.get(expr.id, []) if b.lineno < line), key=lambda b: b.lineno)
+        later = [b for b in assignments.get(expr.id, []) if b.lineno >= line]
+        if not bound or later or not isinstance(bound[-1], ast.Assign) or len(bound[-1].targets) != 1:
+            return None
+        expr = bound[-1].value
+    if not _split_at_host_sizes(expr, assignments):
+        return None
+    is_function = isinstance(expr.func.value, ast.Name) and expr.func.value.id == "torch"
+    sizes = (expr.args[1:2] if is_function else expr.args[:1]) or [k.value for k in expr.keywords]
+    return ast.unparse(sizes[0])
+
+
 __all__ = ["CutToCapacity", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
-           "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable"]
+           "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable", "SplitPieces", "split_pieces"]

@@ -463,6 +463,13 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
     if routing is None:
         return NOT_ONE_IDS_AND_WEIGHTS
     ids, weights = routing
+    views = {}  # the loop reads views of the [T, k] routing (DeepSeek-MoE's flat `weight.view(-1, 1)`)
+    if shape(ids) != shape(weights):
+        for name, node in (("ids", ids), ("weights", weights)):
+            base = strip_shape_ops(node)
+            if base is not node and len(shape(base) or ()) == 2:
+                views[name] = (node, base, probe.slice_between(node, {base}))
+        ids, weights = (views[name][1] if name in views else node for name, node in (("ids", ids), ("weights", weights)))
     if shape(ids) != shape(weights) or len(shape(ids)) != 2:
         return NoMatch(IDS_WEIGHTS_SHAPES)
     tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
@@ -481,6 +488,8 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
 
     def inputs(i: torch.Tensor, w: torch.Tensor, columns: torch.Tensor) -> dict:
         env = {ids: i.to(dtype(ids)), weights: w}
+        for viewed, _base, chain in views.values():
+            env[viewed] = probe.evaluate(chain, env)[viewed]
         if table is not None:
             env[table] = columns.to(dtype(table))
         return env

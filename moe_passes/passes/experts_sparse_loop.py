@@ -13,6 +13,10 @@ Functionalized, it is a chain of out-of-place `index_add`s from a zero tensor; e
 expert term whose rows are `tok` (experts_dense_loop.ExpertTerm), and which tokens and weights each
 expert serves is checked by evaluating the index/mask sub-graph on probe routing tensors, exactly as
 for dense loops.
+
+The links may also be `scatter_add` / `scatter_reduce(..., "sum")` over the rows repeated along the
+hidden dim, and the rows a segment of the slots sorted by expert, cut at offsets read from the counts
+(DeepSeek-MoE's `moe_infer`: `order[offsets[e-1]:offsets[e]] // k`); the probes check those too.
 """
 
 from __future__ import annotations
@@ -47,19 +51,61 @@ CUT_TO_CAPACITY = (
 def _cut_to_capacity(rows: Node) -> Node | None:
     """A slice of an expert's selected rows that is not proved to keep them all (`rows[:C]` with C not
     proved at least their count, or a start or step that skips some): probes route few tokens to each
-    expert, so they cannot be trusted to see the rows it drops."""
+    expert, so they cannot be trusted to see the rows it drops.
+
+    A slice between offsets read from the routing data (`order[start:end]` at running sums of the
+    per-expert counts, DeepSeek-MoE's `moe_infer`) is a segment, not a cut: which rows it takes is
+    checked on the probes like any other rows, and with no threshold in its bounds (no clamp, min or
+    comparison) it cannot agree with the counts on the probes and drop rows elsewhere."""
     node = strip_shape_ops(rows)
-    while is_call(node, aten.slice.Tensor, aten.alias.default):
+    while is_call(node, aten.slice.Tensor, aten.alias.default, *_PER_ROW):
+        if is_call(node, *_PER_ROW):  # slot -> token (`slots // k`), order[slots]: a row per slot
+            source = node.args[0] if not is_call(node, aten.index.Tensor) else list(node.args[1])
+            if isinstance(source, list):
+                source = source[0] if len(source) == 1 else None
+            if not isinstance(source, Node):
+                return None
+            node = strip_shape_ops(source)
+            continue
         if is_call(node, aten.slice.Tensor):
             args = arguments(node) or {}
             size = shape(args.get("input"))[args.get("dim", 0)] if shape(args.get("input")) else None
-            end = args.get("end")
-            whole = args.get("start") in (None, 0) and args.get("step", 1) == 1 and (
-                end is None or (size is not None and statically_known_true(end >= size)))
-            if not whole:
+            start, end = args.get("start"), args.get("end")
+            whole = start in (None, 0) and args.get("step", 1) == 1 and (
+                end is None or (not isinstance(end, Node) and size is not None and statically_known_true(end >= size)))
+            segment = args.get("step", 1) == 1 and all(
+                bound in (None, 0) or _data_offset(bound) for bound in (start, end)) and not (
+                start in (None, 0) and end is None)
+            if not (whole or segment):
                 return node
         node = strip_shape_ops(node.args[0])
     return None
+
+
+_PER_ROW = (aten.floor_divide.default, aten.div.Tensor_mode, aten.remainder.Scalar, aten.index.Tensor)
+_THRESHOLDS = frozenset({
+    aten.clamp.default, aten.clamp.Tensor, aten.clamp_max.default, aten.clamp_max.Tensor, aten.minimum.default,
+    aten.min.default, aten.min.dim, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
+    aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor, aten.gt.Scalar, aten.gt.Tensor,
+    aten.ge.Scalar, aten.ge.Tensor, torch.sym_min,
+})
+
+
+def _data_offset(bound: object) -> bool:
+    """`bound` is a number read from tensor data (`.item()` of an offset), computed with no threshold."""
+    if not isinstance(bound, Node):
+        return False
+    seen, stack, reads = set(), [bound], False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_call(node, *_THRESHOLDS):
+            return False
+        reads |= is_call(node, aten._local_scalar_dense.default)
+        stack.extend(n for n in node.all_input_nodes if n.op == "call_function")
+    return reads
 
 
 def _candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
@@ -82,6 +128,11 @@ def link_parts(node: Node) -> tuple[Node, object, object, object, bool] | None:
     """
     if is_call(node, aten.index_add.default):
         return node.args[0], node.args[1], node.args[2], node.args[3], False
+    if is_call(node, aten.scatter_add.default) or (
+            is_call(node, aten.scatter_reduce.two) and (arguments(node) or {}).get("reduce") == "sum"
+            and (arguments(node) or {}).get("include_self", True)):
+        rows = _broadcast_rows(node.args[2], node.args[3])
+        return (node.args[0], node.args[1], rows, node.args[3], False) if rows is not None else None
     if not is_call(node, aten.index_put.default) or len(node.args[1]) != 1:
         return None
     base, (rows,), values = node.args[:3]
@@ -92,6 +143,24 @@ def link_parts(node: Node) -> tuple[Node, object, object, object, bool] | None:
             if is_call(old, aten.index.Tensor) and old.args[0] is base and list(old.args[1]) == [rows]:
                 return base, 0, rows, new, True
     return None
+
+
+def _broadcast_rows(index: object, source: object) -> Node | None:
+    """r when a scatter index is the 1-D rows r repeated along the hidden dim (`r.view(-1, 1).repeat(1,
+    H)` or `.expand(-1, H)`, the shape of a 2-D source): scattering along dim 0 with it adds source row i
+    into row r[i], as `index_add(0, r, source)` does."""
+    if not is_call(index, aten.repeat.default, aten.expand.default) or shape(index) != shape(source):
+        return None
+    column = index.args[0]
+    column_shape, index_shape = shape(column), shape(index)
+    if column_shape is None or len(column_shape) != 2 or len(index_shape) != 2 or const_int(column_shape[1]) != 1:
+        return None
+    if is_call(index, aten.repeat.default) and const_int(list(index.args[1])[0]) != 1:
+        return None
+    rows = strip_shape_ops(column) if is_call(column, aten.view.default, aten.reshape.default,
+                                              aten.unsqueeze.default) else None
+    rows_shape = shape(rows) if rows is not None else None
+    return rows if rows_shape is not None and len(rows_shape) == 1 else None
 
 
 def _is_chain_end(node: Node) -> bool:
@@ -169,5 +238,6 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
 
 # Each link is an index_add (or an accumulating index_put) into the output.
 FINDER = Finder(
-    FORM, (aten.index_add.default, aten.index_put.default), _candidates, match_at, priority=40, partial_ranges=True
+    FORM, (aten.index_add.default, aten.index_put.default, aten.scatter_add.default, aten.scatter_reduce.two),
+    _candidates, match_at, priority=40, partial_ranges=True
 )

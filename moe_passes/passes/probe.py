@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, dtype, is_cast, is_getitem
+from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, dtype, is_call, is_cast, is_getitem
 
 aten = torch.ops.aten
 
@@ -81,6 +81,41 @@ PROBE_OPS = (
 )
 
 
+# The slot order and segment offsets of a loop over sorted segments that accumulates each expert's
+# output (DeepSeek-MoE's `moe_infer`: `order = ids.argsort()`, `offsets = counts.cumsum(0)`, rows
+# `order[offsets[e-1]:offsets[e]] // k`, bounds read as numbers). Exact functions of the ids, except
+# where a position or offset is compared with a threshold: `evaluate` refuses that (a capacity).
+ORDER_OPS = frozenset(
+    {
+        aten.sort.default,
+        aten.sort.stable,
+        aten.argsort.default,
+        aten.argsort.stable,
+        aten.cumsum.default,
+        aten.split_with_sizes.default,
+        aten.split.Tensor,
+        aten._local_scalar_dense.default,
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        operator.add,
+        operator.sub,
+    }
+)
+PROBE_OPS = PROBE_OPS | ORDER_OPS
+
+# Comparisons and clamps: applied to a position or offset derived from a sort or a running sum, they
+# keep rows up to a capacity, which random probes rarely reach (GShard's `cumsum(mask) - 1 < C`).
+_THRESHOLDS = frozenset(
+    {
+        aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor,
+        aten.gt.Scalar, aten.gt.Tensor, aten.ge.Scalar, aten.ge.Tensor,
+        aten.clamp.default, aten.clamp.Tensor, aten.clamp_max.default, aten.clamp_max.Tensor,
+        aten.clamp_min.default, aten.minimum.default, aten.maximum.default,
+        operator.lt, operator.le, operator.gt, operator.ge, torch.sym_min, torch.sym_max,
+    }
+)
+_SORTS = (aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable)
+
 # Offsets from counts (running sums, cumsum, a leading zero) and their reads as numbers: segment bounds.
 # Kept apart from PROBE_OPS, whose integer ops also mark where routing masks begin.
 OFFSET_OPS = frozenset(
@@ -129,12 +164,26 @@ def concrete_args(args, env: dict):
 def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset()) -> dict:
     """Run `nodes` (in graph order) with `env` holding the values of their inputs."""
     env = dict(env)
+    sorted_, summed = set(), set()  # nodes computed from a sort / from a running sum
     for node in nodes:
         if node in env:
             continue
         allowed = node.target in PROBE_OPS or node.target in extra_ops or is_cast(node)
         if node.op != "call_function" or not allowed:
             raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
+        inputs = node.all_input_nodes
+        from_sort = is_call(node, *_SORTS) or any(n in sorted_ for n in inputs)
+        from_sum = is_call(node, aten.cumsum.default) or any(n in summed for n in inputs)
+        # Segment bounds (OFFSET_OPS) may clamp running sums to the rows they cut (`min(end, n)`): the
+        # segments finder compares them with the runs themselves. Nothing else may threshold them.
+        if node.target in _THRESHOLDS and (from_sort or (from_sum and extra_ops is not OFFSET_OPS)):
+            raise NotProbeable(
+                f"{node.name} compares a position or offset with a threshold (a capacity, which probes rarely reach)"
+            )
+        if from_sort:
+            sorted_.add(node)
+        if from_sum:
+            summed.add(node)
         kwargs = dict(concrete_args(node.kwargs, env))
         if "device" in kwargs:  # factory ops: probes run on the CPU whatever device was traced
             kwargs["device"] = "cpu"
@@ -204,17 +253,24 @@ def padded_columns(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -
     return torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype).scatter_(-1, ids, weights)
 
 
+_TUPLES = (aten.sort.default, aten.sort.stable, aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int)
+
+
 def builds_mask(node: Node) -> bool:
-    """An integer/boolean tensor computed by a probe-able op (not a getitem of some other op): where the
-    routing masks a loop indexes begin, looked through to reach the ids."""
-    value_dtype = dtype(node)
-    return (
-        node.op == "call_function"
-        and node.target in PROBE_OPS
-        and not is_getitem(node)
-        and value_dtype is not None
-        and not value_dtype.is_floating_point
-    )
+    """An integer/boolean value computed by a probe-able op: where the routing masks a loop indexes
+    begin, looked through to reach the ids. Tensors, and the tuples and numbers of integer tensors (the
+    sort of the ids, pieces of selected rows, a count read as a number); of getitems, only those of such
+    tuples (not the ids of a top-k, say)."""
+    if node.op != "call_function" or node.target not in PROBE_OPS:
+        return False
+    if is_getitem(node) and not is_call(node.args[0], *_TUPLES):
+        return False
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        value_dtype = value.dtype
+    else:
+        value_dtype = next((dtype(n) for n in node.all_input_nodes if dtype(n) is not None), None)
+    return value_dtype is not None and not value_dtype.is_floating_point
 
 
 def builds_table(node: Node) -> bool:
