@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, shape, strip_casts, strip_shape_ops
+from ..fx_utils import SHAPE_ONLY_OPS, const_int, is_call, shape, strip_casts, strip_shape_ops
 from . import probe
 from .biases import bias_fields
 from .expert_terms import is_zero_init
@@ -47,10 +47,29 @@ _SCATTERS = (aten.scatter.src, aten.scatter.value)
 
 
 def _input_scaled_repeat(node: Node) -> bool:
+    """`rows * scores` with rows every token once per expert: `x.repeat(E, 1)` (transformers Llama4) or
+    `gather(x, 0, arange(T) expanded over the experts)` (Meta's Llama 4 reference)."""
     node = strip_shape_ops(node)
+    while is_call(node, aten.detach.default, aten.alias.default):  # `routed_in.detach()`
+        node = strip_shape_ops(node.args[0])
     if not is_call(node, aten.mul.Tensor):
         return False
-    return any(isinstance(a, Node) and is_call(strip_shape_ops(a), aten.repeat.default) for a in node.args)
+    return any(isinstance(a, Node) and (is_call(strip_shape_ops(a), aten.repeat.default) or _gathers_every_token(a))
+               for a in node.args)
+
+
+def _gathers_every_token(node: Node) -> bool:
+    """gather(x, 0, index) whose index is `arange` expanded (each row index repeated along the hidden dim
+    and the whole range once per expert)."""
+    node = strip_shape_ops(node)
+    if not (is_call(node, aten.gather.default) and node.args[1] == 0):
+        return False
+    index = node.args[2]
+    while isinstance(index, Node) and not is_call(index, aten.arange.default, aten.arange.start):
+        if not is_call(index, *SHAPE_ONLY_OPS):
+            return False
+        index = index.args[0]
+    return isinstance(index, Node)
 
 
 def _is_candidate(node: Node) -> bool:

@@ -3,7 +3,9 @@
     gate = einsum("ti,taoi->tao", x, w1[ids])     up = einsum("ti,taoi->tao", x, w3[ids])
     y = einsum("tao,taio->tai", act(gate) * up, w2[ids])       out = einsum("tai,ta->ti", y, weights)
 
-(w1/w3 may be the two halves of one gathered w13[ids], SGLang's `fused_moe_forward_native`.) Each
+(w1/w3 may be the two halves of one gathered w13[ids], SGLang's `fused_moe_forward_native`; with biases
+gathered the same way and GPT-OSS's clamped swiglu on interleaved columns, OpenAI's gpt-oss reference
+MLP, read by `_match_biased` into the bias_fused_weights overload.) Each
 einsum reaches the graph as views, permutes and a bmm in an arrangement of its own; they are read with
 `axes.contraction`, which proves what is multiplied and summed whatever the arrangement: the down
 projection and the combine together are sum_a sum_i weights[t, a] * h[t, a, i] * w2[ids][t, a, o, i],
@@ -15,8 +17,18 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, is_call, is_getitem, shape, strip_casts, through_trailing_cast, val
+from ..fx_utils import (
+    SHAPE_ONLY_OPS,
+    const_int,
+    is_call,
+    is_getitem,
+    shape,
+    strip_casts,
+    through_trailing_cast,
+    val,
+)
 from .axes import contraction, frontier, top_of_views
+from .biases import bias_fields, with_bias
 from .finder import Finder, each_anchor
 from .matches import (
     GATE_UP_ROWS_DIFFER,
@@ -28,7 +40,7 @@ from .matches import (
     NoMatch,
     unsupported_activation,
 )
-from .mlp import activation_of, gated_product
+from .mlp import activation_of, clamped_swiglu, gated_product
 from .slots import same_size
 
 aten = torch.ops.aten
@@ -56,12 +68,27 @@ def _combine_leaves(out: Node) -> list[Node] | None:
 
 def _is_candidate(node: Node) -> bool:
     leaves = _combine_leaves(top_of_views(node))
-    return leaves is not None and any(_gathered_stack(leaf) for leaf in leaves)
+    return leaves is not None and (any(_gathered_stack(leaf) for leaf in leaves) or _biased_combine(leaves) is not None)
+
+
+def _biased_combine(leaves: list[Node] | None) -> tuple[Node, Node] | None:
+    """(per-slot outputs plus a gathered bias, [T, k] table) when the combine reads those two (GPT-OSS's
+    reference MLP: `t += b2[ids]`, then `einsum("bec,be->bc", t, weights)`)."""
+    if leaves is None or len(leaves) != 2:
+        return None
+    for biased, table in (leaves, leaves[::-1]):
+        _, bias, ids = with_bias(biased)
+        if bias is not None and len(shape(table) or ()) == 2 and val(table).is_floating_point() and (
+                shape(table) == shape(ids)):
+            return biased, table
+    return None
 
 
 def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     out = top_of_views(anchor)
     leaves = _combine_leaves(out)
+    if _biased_combine(leaves) is not None:
+        return _match_biased(out, *_biased_combine(leaves))
     stacks = [leaf for leaf in leaves if _gathered_stack(leaf)]
     others = [leaf for leaf in leaves if leaf not in stacks]
     if len(stacks) != 1 or len(others) != 2 or any(strip_casts(o) is strip_casts(stacks[0]) for o in others):
@@ -74,6 +101,8 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
 
     table = next((o for o in others if len(shape(o) or ()) == 2 and val(o).is_floating_point()), None)
     hidden_act = next((o for o in others if o is not table), None)
+    if table is None and _adds_gathered_bias(out, ids):
+        return None  # GPT-OSS's reference: the combine after the bias is the candidate (`_match_biased`)
     if table is None or shape(table) != shape(ids):
         return no("the per-slot expert outputs are not summed with a [T, k] table of routing weights", out)
     slot_leaves = {table: ("t", "a"), hidden_act: _slot_labels(hidden_act, "i")}
@@ -107,6 +136,83 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     )
 
 
+def _match_biased(out: Node, biased: Node, table: Node) -> ExpertsMatch | Decline:
+    """GPT-OSS's reference MLP over gathered weights and biases, with its clamped swiglu:
+
+        h = swiglu(einsum("tohi,th->tao", W1[ids], x) + b1[ids])      # gate/up interleaved in W1's rows
+        y = einsum("taoi,tai->tao", W2[ids], h) + b2[ids]
+        out = einsum("tao,ta->to", y, weights)
+
+    the bias_fused_weights overload's computation."""
+
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, out, at)
+
+    down_out, down_bias, ids = with_bias(biased)
+    top_k = const_int(shape(ids)[1])
+    combine = contraction(out, {biased: ("t", "a", "o"), table: ("t", "a")})
+    summed = {"a"} if top_k != 1 else set()
+    kept = tuple(label for label, size in zip(("t", "o"), (shape(ids)[0], shape(biased)[-1]), strict=True)
+                 if const_int(size) != 1)  # a size-1 axis carries no label
+    if combine is None or tuple(label for axis in combine.axes for label in axis) != kept or (
+            set(combine.summed) != summed):
+        return no("the per-slot expert outputs are not summed with a [T, k] table of routing weights", out)
+    leaves = frontier(down_out, stop=lambda n: is_call(n, aten.mul.Tensor) and clamped_swiglu(n) is not None)
+    stacks = [leaf for leaf in leaves or [] if _gathered_stack(leaf) and strip_casts(_gathered_stack(leaf)[1]) is strip_casts(ids)]
+    hidden_act = next((leaf for leaf in leaves or [] if leaf not in stacks), None)
+    if len(stacks) != 1 or len(leaves) != 2 or hidden_act is None:
+        return no("the down projection is not an einsum of the slots' activations and W_down[ids]", down_out)
+    swiglu = clamped_swiglu(hidden_act)
+    if swiglu is None or not swiglu.interleaved:
+        return no("GPT-OSS-style biases without its clamped swiglu on interleaved gate/up columns", hidden_act)
+    down_w = _gathered_stack(stacks[0])[0]
+    down = _projection(down_out, {hidden_act: _slot_labels(hidden_act, "i")}, stacks[0], "i", "o")
+    gate_up_out, up_bias, bias_ids = with_bias(swiglu.projection)
+    if up_bias is None or strip_casts(bias_ids) is not strip_casts(ids):
+        return no("the gate/up projection has no bias gathered by the ids", swiglu.projection)
+    up_leaves = _projection_leaves(gate_up_out, ids)
+    weight = next((leaf for leaf in up_leaves or [] if _weight_source(leaf, ids) is not None), None)
+    hidden = next((leaf for leaf in up_leaves or [] if leaf is not weight), None)
+    if down is None or weight is None or len(up_leaves) != 2 or len(shape(hidden) or ()) != 2:
+        return no(NOT_GATHERED_EINSUM, gate_up_out)
+    gate_up_in = _projection(gate_up_out, {hidden: ("t", "h")}, weight, "h", "o")
+    gate_up_w = _weight_source(weight, ids)
+    if gate_up_in is None or gate_up_w[1] is not None:
+        return no("gate/up is not x @ W[ids]^T for every slot", gate_up_out)
+    if const_int(shape(gate_up_w[0])[0]) != const_int(shape(down_w)[0]):
+        return no(STACK_COUNTS_DIFFER, down_w)
+    return ExpertsMatch(
+        form=FORM,
+        output=through_trailing_cast(out),
+        hidden=hidden,
+        ids=ids,
+        weights=table,
+        num_experts=const_int(shape(down_w)[0]),
+        top_k=top_k,
+        activation=swiglu.description,
+        gate_up=ExpertWeights(stacked=gate_up_w[0], out_in=gate_up_in),
+        down=ExpertWeights(stacked=down_w, out_in=down),
+        **bias_fields(swiglu, up_bias, down_bias),
+    )
+
+
+def _adds_gathered_bias(node: Node, ids: Node, depth: int = 4) -> bool:
+    """`node` (through single-user views) is added to a [E, X] stack gathered by `ids`."""
+    for _ in range(depth):
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+        if is_call(node, aten.add.Tensor):
+            return any(
+                isinstance(a, Node) and is_call(strip_casts(a), aten.index.Tensor) and len(strip_casts(a).args[1]) == 1
+                and len(shape(strip_casts(a).args[0]) or ()) == 2 and strip_casts(strip_casts(a).args[1][0]) is strip_casts(ids)
+                for a in node.args
+            )
+        if not is_call(node, *SHAPE_ONLY_OPS):
+            return False
+    return False
+
+
 def _slot_labels(node: Node, last: str) -> tuple:
     """Labels for a per-slot tensor: [T, k, X] -> (t, a, last); [T * k, X] -> ((t, a), last)."""
     return ("t", "a", last) if len(shape(node)) == 3 else (("t", "a"), last)
@@ -124,7 +230,9 @@ def _projection(
         if found is None or found.leaves != frozenset([*leaves, gathered]):
             continue
         axes = tuple(label for axis in found.axes for label in axis)
-        wanted = ("t", kept) if summed_slots or val(gathered).shape[1] == 1 else ("t", "a", kept)
+        sizes = dict(zip(labels, val(gathered).shape, strict=True))
+        wanted = tuple(label for label in (("t", kept) if summed_slots else ("t", "a", kept))
+                       if const_int(sizes[label]) != 1)  # a size-1 axis carries no label (one token, k = 1)
         if axes == wanted and found.summed | ({"a"} if summed_slots else set()) == summed:
             return out_in
     return None
@@ -137,14 +245,8 @@ def _gate_and_up(product, ids: Node) -> tuple[Node, dict] | NoMatch:
     """(x, {"gate": .., "up": ..} or {"gate_up": ..}) for gate and up projections of x by gathered weights;
     else why not (where: the caller's gated product)."""
     found = {}
-    tokens = shape(ids)[0]
-
-    def token_rows(n: Node) -> bool:  # x as [T, H], not the view chain above it
-        dims = shape(n)
-        return dims is not None and len(dims) == 2 and same_size(dims[0], tokens) and val(n).is_floating_point()
-
     for name, node in (("gate", product.gate), ("up", product.up)):
-        leaves = frontier(node, token_rows)
+        leaves = _projection_leaves(node, ids)
         if leaves is None or len(leaves) != 2:
             return NoMatch(NOT_GATHERED_EINSUM)
         weight = next((leaf for leaf in leaves if _weight_source(leaf, ids) is not None), None)
@@ -164,6 +266,18 @@ def _gate_and_up(product, ids: Node) -> tuple[Node, dict] | NoMatch:
             return NoMatch("gate and up are not the two halves of one gathered gate/up stack")
         return hidden, {"gate_up": ExpertWeights(stacked=sources[0][0], out_in=out_in)}
     return hidden, {name: ExpertWeights(stacked=source[0], out_in=out_in) for name, source in zip(("gate", "up"), sources, strict=True)}
+
+
+def _projection_leaves(node: Node, ids: Node) -> list[Node] | None:
+    """What a projection of the tokens reads: the gathered weights, and x as [T, H] (not the view chain
+    above it)."""
+    tokens = shape(ids)[0]
+
+    def token_rows(n: Node) -> bool:
+        dims = shape(n)
+        return dims is not None and len(dims) == 2 and same_size(dims[0], tokens) and val(n).is_floating_point()
+
+    return frontier(node, token_rows)
 
 
 def _weight_source(node: Node, ids: Node) -> tuple[Node, int | None] | None:
