@@ -319,3 +319,30 @@ def test_zipped_pieces_fused_and_equal(overrides):
 def test_zipped_pieces_of_counts_of_unproved_length_left_as_written():
     with pytest.raises(hit_expert_loops.NotAdaptable, match="not proved below its minlength"):
         hit_expert_loops.analyse(ZipPiecesOfSortedIds.segments)
+
+
+class MovesToTheDevice(CountLoopMoE):
+    """LLM Foundry's loop: the accumulator and the weights moved to each expert's device in the body."""
+
+    def segments(self, hidden_states, ids, weights):
+        out = torch.zeros_like(hidden_states)
+        mask = torch.nn.functional.one_hot(ids, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in range(len(self.experts)):
+            slot, tok = torch.where(mask[e])
+            if tok.shape[0] == 0:
+                continue
+            y = self.experts[e](hidden_states[tok])
+            weights = weights.to(y.device)
+            out = out.to(y.device)
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out
+
+
+def test_device_moves_in_the_loop_keep_the_guard_provably_removable():
+    _, _, plan = hit_expert_loops.analyse(MovesToTheDevice.segments)
+    assert plan.guards and not plan.kept_guards
+    model, inputs = FORM.build(layers=1)
+    model.moes[0].__class__ = MovesToTheDevice
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, len(recorder.fused_nodes())) == (1, 1), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -430,6 +430,8 @@ def _check_body(
 
     def visit(statements):
         for stmt in statements:
+            if _moves_itself(stmt):
+                continue  # `out = out.to(device)`: the same values under the same name, for any expert
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 names = [n for t in targets for n in stored_names(t)]
@@ -486,6 +488,22 @@ def _check_body(
             )
     _check_locals(loop, bound, fn_def)
     return [line for line, _ in guards], skips
+
+
+_MOVES = {"to", "cpu", "cuda", "contiguous"}
+
+
+def _moves_itself(stmt: ast.stmt) -> bool:
+    """`N = N.to(...)` (or `.cpu()`, `.cuda()`, `.contiguous()`): a device move or layout change that keeps
+    N's values (LLM Foundry moves its accumulator and weights to each expert's device in the loop)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    value = stmt.value
+    return (call_name(value) in _MOVES and isinstance(value.func, ast.Attribute)
+            and isinstance(value.func.value, ast.Name) and value.func.value.id == stmt.targets[0].id
+            and not any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value not in ("cpu", "cuda")
+                        for a in value.args)
+            and not any(k.arg == "dtype" for k in value.keywords))
 
 
 def _cut_rows(stmt: ast.stmt, rows: dict[str, int]) -> str | None:
