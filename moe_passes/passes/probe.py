@@ -38,6 +38,7 @@ PROBE_OPS = (
         aten.scatter.src,
         aten.scatter.value,
         aten.scatter_add.default,
+        aten.index_add.default,  # counts as `zeros(E).index_add_(0, ids, ones)`
         aten.index_put.default,
         aten.one_hot.default,
         aten.ones.default,
