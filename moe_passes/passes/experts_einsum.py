@@ -122,17 +122,22 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     stacked = [r.stacked for r in gate_up_roles.values()] + [down_w]
     if len({const_int(shape(w)[0]) for w in stacked}) != 1:
         return no(STACK_COUNTS_DIFFER, down_w)
+    return _match(out, hidden, ids, table, activation, ExpertWeights(stacked=down_w, out_in=down), **gate_up_roles)
+
+
+def _match(out: Node, hidden: Node, ids: Node, table: Node, activation: str, down: ExpertWeights, **roles) -> ExpertsMatch:
+    """The match of a gathered-einsum region read into its roles (gate/up, and GPT-OSS's biases)."""
     return ExpertsMatch(
         form=FORM,
         output=through_trailing_cast(out),
         hidden=hidden,
         ids=ids,
         weights=table,
-        num_experts=const_int(shape(down_w)[0]),
-        top_k=top_k,
+        num_experts=const_int(shape(down.stacked)[0]),
+        top_k=const_int(shape(ids)[1]),
         activation=activation,
-        down=ExpertWeights(stacked=down_w, out_in=down),
-        **gate_up_roles,
+        down=down,
+        **roles,
     )
 
 
@@ -181,18 +186,9 @@ def _match_biased(out: Node, biased: Node, table: Node) -> ExpertsMatch | Declin
         return no("gate/up is not x @ W[ids]^T for every slot", gate_up_out)
     if const_int(shape(gate_up_w[0])[0]) != const_int(shape(down_w)[0]):
         return no(STACK_COUNTS_DIFFER, down_w)
-    return ExpertsMatch(
-        form=FORM,
-        output=through_trailing_cast(out),
-        hidden=hidden,
-        ids=ids,
-        weights=table,
-        num_experts=const_int(shape(down_w)[0]),
-        top_k=top_k,
-        activation=swiglu.description,
-        gate_up=ExpertWeights(stacked=gate_up_w[0], out_in=gate_up_in),
-        down=ExpertWeights(stacked=down_w, out_in=down),
-        **bias_fields(swiglu, up_bias, down_bias),
+    return _match(
+        out, hidden, ids, table, swiglu.description, ExpertWeights(stacked=down_w, out_in=down),
+        gate_up=ExpertWeights(stacked=gate_up_w[0], out_in=gate_up_in), **bias_fields(swiglu, up_bias, down_bias),
     )
 
 
