@@ -34,6 +34,7 @@ from .source_ast import (
     call_name,
     defining_bindings,
     loads,
+    span,
     stored_names,
     strip_methods,
     walk_function,
@@ -518,7 +519,7 @@ def _fixed_counts(counts: ast.AST, loop: ast.For, index: str) -> FixedCounts | N
     if len(containers) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the bincount's length is data-dependent, and the loop indexes no one "
                            "expert list with its index")
-    where = (counts.lineno, counts.col_offset, counts.end_lineno, counts.end_col_offset)
+    where = span(counts)
     return FixedCounts(where, f"len({containers.pop()})")
 
 
@@ -546,7 +547,7 @@ def split_counts(sizes: str, assignments: dict) -> FixedCounts | None:
             f"line {value.lineno}: the split sizes come from `{ast.unparse(value)[:50]}`, whose length depends on "
             "the ids (not proved below its minlength)"
         )
-    where = (value.lineno, value.col_offset, value.end_lineno, value.end_col_offset)
+    where = span(value)
     return FixedCounts(where, ast.unparse(minlength))
 
 

@@ -85,6 +85,7 @@ from .source_ast import (
     defining_bindings,
     function_source,
     loop_index,
+    span,
     stored_names,
     strip_methods,
     walk_function,
@@ -712,13 +713,13 @@ def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:
             handled.update(id(n) for n in ast.walk(node.value))
     inline = {item.at for item in plan.list_indices if item.at is not None}
     for node in walk_function(fn_def):
-        if isinstance(node, ast.Call) and (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset) in inline:
+        if isinstance(node, ast.Call) and span(node) in inline:
             handled.add(id(node))
     fixed = {f.at for f in plan.fixed_counts}  # counted into one bin per expert: a fixed length
     for node in walk_function(fn_def):
         if call_name(node) == "tolist" and isinstance(node.func, ast.Attribute):
             receiver = strip_methods(node.func.value, {"cpu", "numpy"})
-            if (receiver.lineno, receiver.col_offset, receiver.end_lineno, receiver.end_col_offset) in fixed:
+            if span(receiver) in fixed:
                 handled.add(id(node))
     return handled
 
@@ -854,7 +855,7 @@ class _Rewrite(ast.NodeTransformer):
         self.fixed_counts = {f.at: f for f in plan.fixed_counts}
 
     def visit_Call(self, node: ast.Call):
-        fixed = self.fixed_counts.get((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset))
+        fixed = self.fixed_counts.get(span(node))
         if fixed is not None:  # bincount -> one bin per expert (count_loops.offset_loop says why)
             ids = node.func.value if isinstance(node.func, ast.Attribute) and not node.args else node.args[0]
             call = _parse_expr(f"{_HELPERS}.expert_counts(__X__, {fixed.length})")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from .source_ast import NotAdaptable, call_name, loop_index, stored_names, strip_methods, walk_function
+from .source_ast import NotAdaptable, call_name, loop_index, span, stored_names, strip_methods, walk_function
 
 _VIEWS = {"view", "reshape", "flatten", "contiguous", "cpu", "long", "int", "to", "squeeze", "unsqueeze"}
 
@@ -96,7 +96,7 @@ def list_indices(loop: ast.For, rows: set[str]) -> list[ListIndex]:
     for call in ast.walk(loop):  # `w[r.tolist(), s.tolist(), None]`: the lists read in place as indices
         if (call_name(call) == "tolist" and isinstance(call.func, ast.Attribute) and not call.args
                 and isinstance(call.func.value, ast.Name) and call.func.value.id in rows and _as_index(call)):
-            where = (call.lineno, call.col_offset, call.end_lineno, call.end_col_offset)
+            where = span(call)
             found.append(ListIndex(call.lineno, "", call.func.value.id, where))
     return found
 
@@ -283,7 +283,7 @@ class ReplaceListIndices(ast.NodeTransformer):
         self.inline = {item.at: item.rows for item in found if item.at is not None}
 
     def visit_Call(self, node: ast.Call):
-        rows = self.inline.get((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset))
+        rows = self.inline.get(span(node))
         if rows is not None:
             return ast.copy_location(ast.Name(rows, ast.Load()), node)
         return self.generic_visit(node)

@@ -76,6 +76,12 @@ def names_in_target(target: ast.AST) -> list[str]:
     return [n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
 
 
+def span(node: ast.AST) -> tuple[int, int, int, int]:
+    """Where `node` stands in the source (line, column, end line, end column): chained calls share their
+    start, so the end tells `a.bincount()` from `a.bincount().cumsum(0)`."""
+    return node.lineno, node.col_offset, node.end_lineno, node.end_col_offset
+
+
 def call_name(call: ast.AST) -> str | None:
     """`torch.nn.functional.one_hot(...)` -> "one_hot"; `x.nonzero()` -> "nonzero"."""
     if not isinstance(call, ast.Call):
