@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import dis
 import functools
 import logging
 import os
@@ -784,7 +785,11 @@ def _index_variables(loop: ast.For) -> set[str]:
 
 
 def _selection_operand(node: ast.AST) -> ast.AST | None:
-    """M for `torch.where(M)`, `M.nonzero(...)` and `torch.nonzero(M, ...)`."""
+    """M for `torch.where(M)`, `M.nonzero(...)`, `torch.nonzero(M, ...)` and a boolean-mask index
+    (`x[M]`, `out[M] = ...`, `probs[M, e]`: a nonzero underneath)."""
+    if isinstance(node, ast.Subscript):
+        index = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) and node.slice.elts else node.slice
+        return None if isinstance(index, ast.Slice) else index
     name = call_name(node)
     if name == "where" and len(node.args) == 1 and not node.keywords:
         return node.args[0]
@@ -1205,7 +1210,9 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
         code = getattr(inner or fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or not (_SIGNS & set(code.co_names) or _calls_cumsum(inner or fn)):
+        if not isinstance(fn, types.FunctionType) or not (
+            _SIGNS & set(code.co_names) or _masks_in_a_loop(code) or _calls_cumsum(inner or fn)
+        ):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn)
         if traced is not None:
@@ -1244,6 +1251,21 @@ def redecorated(traced: types.FunctionType, context) -> types.FunctionType:
             return traced(*args, **kwargs)
 
     return decorated
+
+
+_LOOP_MASK_OPS = [
+    frozenset(dis.opmap[name] for name in names if name in dis.opmap)
+    for names in (("FOR_ITER",), ("COMPARE_OP",), ("BINARY_SUBSCR", "STORE_SUBSCR", "BINARY_OP"))
+]
+
+
+def _masks_in_a_loop(code: types.CodeType) -> bool:
+    """The bytecode loops, compares and indexes: where a boolean-mask gather (`x[ids == e]`) can be,
+    with no name to show it (3.14 indexes with BINARY_OP). Read with `dis` only when it may."""
+    ops = set(code.co_code[::2])
+    if not all(ops & wanted for wanted in _LOOP_MASK_OPS):
+        return False
+    return any(i.opname in ("BINARY_SUBSCR", "STORE_SUBSCR") or i.argrepr == "[]" for i in dis.get_instructions(code))
 
 
 def _calls_cumsum(fn: types.FunctionType) -> bool:

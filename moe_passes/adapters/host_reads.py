@@ -82,7 +82,10 @@ def list_indices(loop: ast.For, rows: set[str]) -> list[ListIndex]:
     `a, b = r.tolist(), s.tolist()`) whose name is bound once and read only as an index element of a
     subscript in the body."""
     statements = [s for s in ast.walk(loop) if isinstance(s, ast.Assign)]
-    bound = [n for s in statements for t in s.targets for n in stored_names(t)]
+    bound = [  # an item store (`out[mask] = y`) binds no name
+        n for s in statements for t in s.targets if not isinstance(t, ast.Subscript | ast.Attribute)
+        for n in stored_names(t)
+    ]
     found = []
     for stmt in statements:
         for name, value in _pairs(stmt):

@@ -8,7 +8,8 @@ experts the held ones are (`experts_min`/`experts_max`) and that an id it does n
 nothing, so this module evaluates the id arithmetic for every choice the router can make: the ids are
 traced back through pointwise integer ops (`remainder`, `floor_divide`, `where`, `clamp`, `masked_fill`,
 comparisons, casts, constants) to one `topk` over W columns (or an `arange`), and those ops are run on
-`arange(W)`. The result is exact, whatever the spelling, and small (W is the router's width).
+`arange(W)`. The result is exact, whatever the spelling, and small (W is the router's width). A top-1
+choice written as `argmax(scores, -1)` or `scores.max(-1)[1]` is a top-k over W columns too.
 """
 
 from __future__ import annotations
@@ -152,6 +153,12 @@ class _Reader:
             scores = shape(topk.args[0])
             dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
             if scores and dim in (-1, len(scores) - 1):
+                width, choice = const_int(scores[-1]), True
+        elif is_call(node, aten.argmax.default) or (is_getitem(node, 1) and is_call(node.args[0], aten.max.dim)):
+            best = node if is_call(node, aten.argmax.default) else node.args[0]  # top-1: argmax / max(dim)[1]
+            args = arguments(best) or {}
+            scores = shape(args.get("self", args.get("input")))
+            if scores and args.get("dim") in (-1, len(scores) - 1):
                 width, choice = const_int(scores[-1]), True
         elif is_call(node, aten.arange.default) and len(node.args) == 1:
             width = const_int(node.args[0])

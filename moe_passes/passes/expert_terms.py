@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fx_utils import (
     const_int,
@@ -67,10 +68,15 @@ class ExpertTerm:
     up: Projection | None
     down: Projection
     input_scaled_by: Node | None = None  # set when the routing weight multiplies the MLP input
+    # Further factors of the coefficient (`MLP(x) * w[:, e:e+1] * chose`: a weight and a mask); the
+    # expert's per-token weight is their product with `coefficient`.
+    more_factors: tuple[Node, ...] = ()
     # Sparse loops (experts_sparse_loop.py): the token indices this expert gathers its rows from and
     # adds its output back to. None for a dense term, which covers every token.
     rows: Node | None = None
-    rows_overwrite: bool = False  # rows are written (out[tok] += y), not added: they must not repeat
+    # How the output reaches the rows: "adds" (index_add), "rewrites" (out[tok] += y: read, added and
+    # written back, so rows must not repeat) or "stores" (out[mask] = y: no other expert may write them).
+    rows_write: str = "adds"
     # GPT-OSS experts: interleaved gate/up with per-expert biases and the clamped swiglu.
     swiglu: ClampedSwiglu | None = None
     gate_up_bias: Node | None = None
@@ -78,7 +84,7 @@ class ExpertTerm:
 
     def outputs(self) -> list[Node]:
         """The nodes whose values decide which tokens this expert serves, and with which weight."""
-        return [self.coefficient] + ([self.rows] if self.rows is not None else [])
+        return [self.coefficient, *self.more_factors] + ([self.rows] if self.rows is not None else [])
 
 
 @dataclass(frozen=True)
@@ -155,11 +161,12 @@ def read_term(node: Node) -> ExpertTerm | None:
     """MLP(x) * c (either order, casts allowed), or an unscaled MLP; None when `node` is neither."""
     node_s = strip_casts(node)
     if is_call(node_s, aten.mul.Tensor):
-        for a, b in ((node_s.args[0], node_s.args[1]), (node_s.args[1], node_s.args[0])):
-            if isinstance(a, Node) and isinstance(b, Node):
-                mlp = _read_mlp(strip_casts(a))
-                if mlp is not None and mlp.scaled_by is None:
-                    return _term(node, strip_casts(a), b, mlp)
+        factors = _factors(node_s)
+        for i, a in enumerate(factors):
+            mlp = _read_mlp(strip_casts(a))
+            if mlp is not None and mlp.scaled_by is None:
+                rest = factors[:i] + factors[i + 1:]
+                return _term(node, strip_casts(a), rest[0], mlp, more_factors=tuple(rest[1:]))
     mlp = _read_mlp(node_s)
     if mlp is not None and mlp.scaled_by is not None:  # scaled before the down projection
         return _term(node, node_s, mlp.scaled_by, mlp)
@@ -172,11 +179,26 @@ def read_term(node: Node) -> ExpertTerm | None:
     return None
 
 
-def _term(node: Node, mlp_out: Node, coefficient: Node | None, mlp: MlpRead, input_scaled_by=None) -> ExpertTerm:
+def _factors(product: Node) -> list[Node]:
+    """The tensor factors of a product of tensors (`MLP(x) * w[:, e:e+1] * chose`), through casts."""
+    factors = []
+    for arg in product.args[:2]:
+        inner = strip_casts(arg) if isinstance(arg, Node) else None
+        if inner is None or not isinstance(product.args[0], Node) or not isinstance(product.args[1], Node):
+            return []
+        both_tensors = is_call(inner, aten.mul.Tensor) and all(isinstance(a, Node) for a in inner.args[:2])
+        factors.extend(_factors(inner) if both_tensors else [arg])
+    return factors
+
+
+def _term(
+    node: Node, mlp_out: Node, coefficient: Node | None, mlp: MlpRead, input_scaled_by=None, more_factors=()
+) -> ExpertTerm:
     return ExpertTerm(
         term=node,
         mlp_out=mlp_out,
         coefficient=coefficient,
+        more_factors=more_factors,
         hidden=strip_shape_ops(mlp.hidden),
         activation=mlp.activation,
         activation_desc=mlp.activation_desc,
@@ -224,7 +246,7 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str) -> ExpertsMatch 
     assignment = _expert_ids(terms)
     if isinstance(assignment, NoMatch):
         return assignment.decline(form, root)
-    ids, weights, order, first_expert = assignment
+    ids, weights, order, first_expert, weights_at_ids = assignment
     ordered = [terms[i] for i in order]
 
     gate_up = role_weights(ordered, "gate_up")
@@ -251,9 +273,10 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str) -> ExpertsMatch 
         ids=ids,
         weights=weights,
         num_experts=len(terms),
-        top_k=const_int(shape(ids)[-1]),
+        top_k=const_int(shape(ids)[-1]) if len(shape(ids)) == 2 else 1,
         activation=terms[0].activation,
         experts_min=first_expert,
+        weights_at_ids=weights_at_ids,
         gate_up=gate_up,
         gate=gate,
         up=up,
@@ -274,6 +297,11 @@ def _uniform_terms(terms: list[ExpertTerm]) -> NoMatch | None:
             )
         unweighted = next(t for t in terms if t.coefficient is None)
         return NoMatch("some experts' outputs are summed without a routing weight", unweighted.term)
+    return one_activation(terms)
+
+
+def one_activation(terms: list[ExpertTerm]) -> NoMatch | None:
+    """Why not, unless every expert uses the same activation, one the kernel supports."""
     activations = {t.activation_desc for t in terms}
     if len(activations) > 1:
         odd = next(t for t in terms if t.activation_desc != terms[0].activation_desc)
@@ -396,6 +424,13 @@ def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torc
     return flat[:, 0]
 
 
+def _coefficient_value(term: ExpertTerm, env: dict) -> torch.Tensor:
+    value = env[term.coefficient]
+    for factor in term.more_factors:
+        value = value * env[factor]
+    return value
+
+
 def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor | None:
     """The weight each token's MLP output gets from `term` under one probe ([T]), or None.
 
@@ -405,21 +440,40 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     width = probe.concrete(term.mlp_out.meta["val"].shape[-1])
     if term.rows is None:
         out_shape = tuple(int(d) for d in probe.concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
-        return _token_axis_values(env[term.coefficient], out_shape, tokens)
-    rows = env[term.rows]
+        return _token_axis_values(_coefficient_value(term, env), out_shape, tokens)
+    rows = _row_indices(env[term.rows])
     if rows.dim() != 1 or rows.dtype.is_floating_point or bool(((rows < 0) | (rows >= tokens)).any()):
         return None
-    if term.rows_overwrite and rows.unique().numel() != rows.numel():
+    if term.rows_write != "adds" and rows.unique().numel() != rows.numel():
         return None
-    per_row = _token_axis_values(env[term.coefficient], (rows.shape[0], int(width)), rows.shape[0])
+    per_row = _token_axis_values(_coefficient_value(term, env), (rows.shape[0], int(width)), rows.shape[0])
     if per_row is None:
         return None
     return torch.zeros(tokens, dtype=per_row.dtype).index_add_(0, rows, per_row)
 
 
+def _row_indices(rows: torch.Tensor) -> torch.Tensor:
+    """Token indices of an expert's rows: a boolean mask over the tokens (`x[mask]`) read as its nonzeros."""
+    return rows.nonzero().squeeze(-1) if rows.dtype == torch.bool and rows.dim() == 1 else rows
+
+
+def _stores_overlap(envs_per_term, terms) -> bool:
+    """Some token's row is stored by one expert (`out[mask] = y`) and written by another under a probe:
+    the store would replace, not add to, what the other wrote."""
+    for envs in zip(*envs_per_term, strict=True):
+        rows = [_row_indices(env[term.rows]) for env, term in zip(envs, terms, strict=True) if term.rows is not None]
+        stored = [r for r, term in zip(rows, [t for t in terms if t.rows is not None], strict=True)
+                  if term.rows_write == "stores"]
+        if stored and torch.cat(rows).unique().numel() != sum(r.numel() for r in rows):
+            return True
+    return False
+
+
 def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, terms):
     """(order, first expert) of the terms, else why not; the loop may hold a contiguous range of the
     router's experts (expert parallelism: this rank's experts; the others contribute zero here)."""
+    if _stores_overlap(envs_per_term, terms):
+        return NoMatch("experts store their outputs (`out[rows] = y`) at rows another expert writes too")
     order: dict[int, int] = {}
     for index, term in enumerate(terms):
         matches = None
@@ -453,7 +507,7 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     columns = probe.column_probes(tokens, width, dtype(padded))
     envs = [[probe.evaluate(nodes, {padded: table}) for table in columns] for nodes in slices]
     order = _assign(columns, envs, tokens, width, terms)
-    return order if isinstance(order, NoMatch) else (strip_shape_ops(ids), strip_shape_ops(weights), *order)
+    return order if isinstance(order, NoMatch) else (strip_shape_ops(ids), strip_shape_ops(weights), *order, False)
 
 
 def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None = None):
@@ -470,12 +524,16 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
             if base is not node and len(shape(base) or ()) == 2:
                 views[name] = (node, base, probe.slice_between(node, {base}))
         ids, weights = (views[name][1] if name in views else node for name, node in (("ids", ids), ("weights", weights)))
-    if shape(ids) != shape(weights) or len(shape(ids)) != 2:
+    at_ids = _read_at_ids(ids, weights, len(terms))
+    single = len(shape(ids) or ()) == 1  # one id per token (an argmax): top-1
+    if (shape(ids) != shape(weights) and not at_ids) or len(shape(ids)) not in (1, 2):
         return NoMatch(IDS_WEIGHTS_SHAPES)
-    tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
+    tokens, top_k = int(probe.concrete(shape(ids)[0])), 1 if single else int(probe.concrete(shape(ids)[1]))
     if tokens == 0:
         return NoMatch(EMPTY_BATCH)
     width = max(len(terms), _routing_width(ids) or 0)
+    if at_ids:
+        width = int(probe.concrete(shape(weights)[1]))
     if top_k > width:
         return NoMatch("top-k is larger than the number of experts")
     if table is not None:
@@ -484,10 +542,15 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
             return NoMatch(NOT_SCATTERED)
         width = int(probe.concrete(shape(table)[1]))
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
-    columns = [probe.padded_columns(i, w, width) for i, w in probes]
+    if at_ids:  # every cell of the table holds a weight; the kernel's are those at the ids
+        tables = probe.column_probes(tokens, width, dtype(weights), count=len(probes))
+        probes = [(i, table) for (i, _), table in zip(probes, tables, strict=True)]
+    columns = [probe.padded_columns(i, w.gather(1, i) if at_ids else w, width) for i, w in probes]
 
     def inputs(i: torch.Tensor, w: torch.Tensor, columns: torch.Tensor) -> dict:
         env = {ids: i.to(dtype(ids)), weights: w}
+        if single:
+            env = {ids: i[:, 0].to(dtype(ids)), weights: w if at_ids else w[:, 0]}
         for viewed, _base, chain in views.values():
             env[viewed] = probe.evaluate(chain, env)[viewed]
         if table is not None:
@@ -499,7 +562,22 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
         for nodes in slices
     ]
     order = _assign(columns, envs, tokens, width, terms)
-    return order if isinstance(order, NoMatch) else (ids, weights, *order)
+    return order if isinstance(order, NoMatch) else (ids, weights, *order, at_ids)
+
+
+def _read_at_ids(ids: Node, weights: Node, num_terms: int) -> bool:
+    """`weights` is a [T, E] table of every expert's weight, read at the [T, k] (or [T]) ids (`probs[tok, e]`:
+    the router's probabilities with no renormalisation, Switch / Hunyuan style); the probes then check
+    that each expert's coefficient is its column of the table at the tokens that chose it, and nothing
+    else (a loop that read an expert no token chose would differ on them)."""
+    ids_shape, table_shape = shape(ids), shape(weights)
+    if len(ids_shape or ()) not in (1, 2) or len(table_shape or ()) != 2 or ids_shape == table_shape:
+        return False
+    width = const_int(table_shape[1])
+    return (
+        statically_known_true(ids_shape[0] == table_shape[0]) and width is not None and width >= num_terms
+        and dtype(weights).is_floating_point and not dtype(ids).is_floating_point
+    )
 
 
 def _routing_width(ids: Node) -> int | None:

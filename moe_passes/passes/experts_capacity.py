@@ -1,23 +1,38 @@
-"""Capacity-limited dispatch (GShard, DeepSpeed, Tutel): read only to be declined with its reason.
+"""Capacity-limited dispatch (GShard, DeepSpeed, Tutel, Hunyuan-Large): fused where it cannot drop.
 
     dispatched = einsum("sec,sm->ecm", dispatch, x)      y = experts(dispatched)      [E, C, M]
     out = einsum("sec,ecm->sm", combine, y)               combine[s, e, c]: token s in slot c of expert e
 
 Each expert takes at most C tokens; the gating drops the ones past that (their weight is zeroed), which
 the fused kernel never does. Both einsums are read with `axes.contraction` (whatever views, bmm or mm over
-the merged E * C dim they became: fairseq writes them as `mm`); a region of this form is reported as
-declined, never rewritten.
+the merged E * C dim they became: fairseq writes them as `mm`). A region whose capacity is not proved at
+least the token count is declined, never rewritten.
+
+With C >= S (Hunyuan-Large: C = S) and experts that run one MLP per expert on its [C, M] slots, the
+region is the fused kernel's sum when, for every routing, (1) the dispatch is 0/1 with at most one token
+per slot, (2) every slot the combine weights holds the token it weights, and (3) the combine summed over
+the slots is the kernel's [S, E] weights: then out[s] = sum_e W[s, e] * MLP_e(x[s]). The combine and
+dispatch are exact functions of the routing ids and weights (index, mask and running-sum ops, and a
+top-k over a whole dim, which only permutes), so the three are checked on probe routings, and on
+crowded ones that put every token on the same experts: positions grow with the counts, so a slot that
+could overflow, or a threshold on positions, bites there first (thresholds are allowed here for that).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..fx_utils import shape
+from ..fx_utils import arguments, const_int, dtype, is_call, is_cast, is_getitem, shape, strip_shape_ops
+from . import probe
 from .axes import contraction, frontier
+from .expert_terms import ExpertTerm, first_no_match, one_activation, read_term, role_weights
 from .finder import Finder, each_anchor
-from .matches import Decline
+from .matches import Decline, ExpertsMatch, NoMatch, unprobeable
+from .slots import same_size
 
 aten = torch.ops.aten
 FORM = "capacity_dispatch"
@@ -43,20 +58,33 @@ def _top(node: Node) -> Node:
 
 
 def _combine(node: Node) -> tuple[Node, Node] | None:
-    """(combine [S, E, C], expert outputs [E, C, M]) when `node` is einsum("sec,ecm->sm"); the outputs may
-    carry leading dims of size 1 (fairseq's [all2all size, E, C, M], combined with `mm` over E * C)."""
+    """(combine [S, E, C], expert outputs [E, C, M]) when `node` is einsum("sec,ecm->sm"), read at the
+    last of its views that keeps [S, M] (a reshape back to [B, T, M] splits S); the outputs may carry
+    leading dims of size 1 (fairseq's [all2all size, E, C, M], combined with `mm` over E * C)."""
     leaves = frontier(_top(node))
     if leaves is None or len(leaves) != 2 or not all(len(shape(leaf) or ()) >= 3 for leaf in leaves):
         return None
+    chain = [node]
+    while chain[-1] is not _top(node):
+        chain.append(next(iter(chain[-1].users)))
     for table, outputs in (leaves, leaves[::-1]):
         extra = len(shape(outputs)) - 3
         if len(shape(table)) != 3 or any(size != 1 for size in shape(outputs)[:extra]):
             continue
-        read = contraction(_top(node), {table: ("s", "e", "c"), outputs: (None,) * extra + ("e", "c", "m")})
-        kept = tuple(axis for axis in read.axes if axis) if read is not None else ()
-        if kept == (("s",), ("m",)) and read.summed == frozenset({"e", "c"}):
-            return table, outputs
+        sizes = dict(zip("sec", shape(table), strict=True), m=shape(outputs)[-1])
+        for at in reversed(chain):
+            read = contraction(at, {table: ("s", "e", "c"), outputs: (None,) * extra + ("e", "c", "m")})
+            if read is not None and _reads_as(read, sizes, "sm", "ec"):
+                return table, outputs
     return None
+
+
+def _reads_as(read, sizes: dict, kept: str, summed: str) -> bool:
+    """`read` keeps the axes `kept` in that order and sums `summed`, leaving out those of size 1 (which
+    carry no label: one token, one slot)."""
+    labelled = [axis for axis in kept + summed if not same_size(sizes[axis], 1)]
+    return tuple(axis for axis in read.axes if axis) == tuple((a,) for a in kept if a in labelled) and (
+        read.summed == frozenset(a for a in summed if a in labelled))
 
 
 def _dispatched_by(outputs: Node, table: Node, depth: int = 40) -> bool:
@@ -74,13 +102,183 @@ def _dispatched_by(outputs: Node, table: Node, depth: int = 40) -> bool:
     return False
 
 
-def match_at(anchor: Node) -> Decline | None:
+def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     found = _combine(anchor)
     if found is None or not _dispatched_by(found[1], found[0]):
         return None
-    tokens, _, capacity = shape(found[0])
-    never_drops = isinstance(tokens, int) and isinstance(capacity, int) and capacity >= tokens
-    return Decline(FORM, NO_DROP_YET if never_drops else DROPS, _top(anchor))
+    combine, outputs = found
+    tokens, _, capacity = shape(combine)
+    if not statically_known_true(capacity >= tokens):
+        return Decline(FORM, DROPS, _top(anchor))
+    read = _never_dropping(_top(anchor), combine, outputs)
+    return read if isinstance(read, ExpertsMatch) else read.decline(FORM, _top(anchor))
+
+
+def _never_dropping(out: Node, combine: Node, outputs: Node) -> ExpertsMatch | NoMatch:
+    """The fused call's match for a dispatch whose capacity is at least the token count, or why not."""
+    terms = _expert_terms(outputs)
+    if isinstance(terms, NoMatch):
+        return terms
+    dispatched = _slot_rows(terms[0].hidden)[0]
+    dispatch = _dispatch(dispatched, combine)
+    if isinstance(dispatch, NoMatch):
+        return dispatch
+    dispatch, order, hidden = dispatch
+    routing = _routing(combine, dispatch)
+    if isinstance(routing, NoMatch):
+        return routing
+    ids, weights, at_ids, nodes = routing
+    width = const_int(shape(combine)[1])
+    if width != len(terms) or (at_ids and const_int(shape(weights)[1]) != width):
+        return NoMatch("the combine's experts are not the experts the slots run through", combine)
+    try:
+        broken = _check_slots(combine, dispatch, order, ids, weights, at_ids, nodes, width)
+    except probe.NotProbeable as why:
+        return NoMatch(f"{NO_DROP_YET}: {unprobeable('its slot assignment', why)}", combine)
+    if broken is not None:
+        return NoMatch(f"capacity-limited dispatch whose capacity is at least the token count: {broken}", combine)
+    unread = one_activation(terms) or first_no_match(*(roles := [role_weights(terms, r) for r in ("gate_up", "gate", "up", "down")]))
+    if unread is not None:
+        return unread
+    gate_up, gate, up, down = roles
+    return ExpertsMatch(
+        form=FORM, output=out, hidden=hidden, ids=ids, weights=weights, weights_at_ids=at_ids,
+        num_experts=width, top_k=const_int(shape(ids)[1]) if len(shape(ids)) == 2 else 1,
+        activation=terms[0].activation, gate_up=gate_up, gate=gate, up=up, down=down,
+    )
+
+
+def _expert_terms(outputs: Node) -> list[ExpertTerm] | NoMatch:
+    """One unweighted MLP per expert, concatenated in expert order, expert e reading slots [e] of one
+    [E, C, M] tensor (`dispatched.chunk(E)`, unbind, select)."""
+    joined = strip_shape_ops(outputs)
+    if not is_call(joined, aten.cat.default, aten.stack.default) or (arguments(joined) or {}).get("dim", 0) != 0:
+        return NoMatch("the experts' outputs are not joined along the expert dim", joined)
+    terms, source = [], None
+    for e, part in enumerate(joined.args[0]):
+        term = read_term(part)
+        if term is None or term.coefficient is not None or term.input_scaled_by is not None or term.swiglu:
+            return NoMatch("an expert's output is not a plain gated MLP of its slots", part)
+        rows = _slot_rows(term.hidden)
+        if rows is None or rows[1] != e or (source is not None and rows[0] is not source):
+            return NoMatch("expert e does not read slots [e] of one dispatched tensor", term.hidden)
+        source = rows[0]
+        terms.append(term)
+    return terms
+
+
+def _slot_rows(node: Node) -> tuple[Node, int] | None:
+    """(S, e) when `node` is S[e] along dim 0, however it was cut (split / chunk / unbind / select)."""
+    node = strip_shape_ops(node)
+    if is_getitem(node) and is_call(node.args[0], aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int):
+        parent, index = node.args[0], node.args[1]
+        args = arguments(parent) or {}
+        sizes = args.get("split_size") if is_call(parent, aten.split.Tensor) else args.get("split_sizes", 1)
+        one_each = sizes == 1 or (isinstance(sizes, list | tuple) and all(const_int(s) == 1 for s in sizes))
+        if args.get("dim", 0) == 0 and one_each:
+            return args.get("self", parent.args[0]), index
+    if is_call(node, aten.select.int) and node.args[1] == 0 and const_int(node.args[2]) is not None:
+        return node.args[0], const_int(node.args[2])
+    return None
+
+
+def _dispatch(dispatched: Node, combine: Node) -> tuple[Node, tuple[int, ...], Node] | NoMatch:
+    """(the dispatch tensor, the order of its dims as (s, e, c), the [S, M] hidden states) when the
+    slots are einsum("sec,sm->ecm", dispatch, x), in any order of the dispatch's dims."""
+    tokens = shape(combine)[0]
+    hidden_size = shape(dispatched)[-1] if shape(dispatched) else None
+    leaves = frontier(dispatched, stop=lambda n: len(shape(n) or ()) == 2 and same_size(shape(n)[0], tokens)
+                      and same_size(shape(n)[1], hidden_size))
+    if leaves is None or len(leaves) != 2:
+        return NoMatch("the slots are not one einsum of a dispatch tensor and the hidden states", dispatched)
+    table = next((leaf for leaf in leaves if len(shape(leaf) or ()) == 3), None)
+    hidden = next((leaf for leaf in leaves if len(shape(leaf) or ()) == 2), None)
+    if table is None or hidden is None:
+        return NoMatch("the slots are not one einsum of a dispatch tensor and the hidden states", dispatched)
+    sizes = dict(zip("sec", shape(combine), strict=True), m=hidden_size)
+    for order in itertools.permutations(range(3)):
+        labels = tuple(("s", "e", "c")[i] for i in order)
+        read = contraction(dispatched, {table: labels, hidden: ("s", "m")})
+        if read is not None and _reads_as(read, sizes, "ecm", "s"):
+            return table, tuple(labels.index(axis) for axis in "sec"), hidden
+    return NoMatch("the slots are not einsum('sec,sm->ecm') of a dispatch tensor and the hidden states", dispatched)
+
+
+def _whole_topk(node: Node) -> bool:
+    """A top-k over a whole dim whose indices only mark positions (scatter indices): a permutation,
+    used as a set, so its order of ties cannot matter."""
+    args = arguments(node) or {}
+    size = shape(args.get("input"))[args.get("dim", -1)] if shape(args.get("input")) else None
+    if not same_size(args.get("k"), size):
+        return False
+    for user in node.users:
+        if not is_getitem(user, 1):
+            return False
+        if not all(is_call(u, aten.scatter.value, aten.scatter.src) and u.args[2] is user and u.args[0] is not user
+                   for u in user.users):
+            return False
+    return True
+
+
+def _walkable(node: Node) -> bool:
+    """An op the probes evaluate; a getitem only of one (the ids of `scores.max(-1)` are a source)."""
+    if is_getitem(node):
+        return _walkable(node.args[0])
+    return node.op == "call_function" and (
+        node.target in probe.PROBE_OPS or is_cast(node) or (is_call(node, aten.topk.default) and _whole_topk(node)))
+
+
+def _routing(combine: Node, dispatch: Node) -> tuple[Node, Node, bool, list[Node]] | NoMatch:
+    """(ids, weights, weights are a [S, E] table read at the ids, the nodes computing the combine and the
+    dispatch from them): what the slot assignment is a function of."""
+    nodes, sources, stack, seen = [], set(), [combine, dispatch], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _walkable(node):
+            nodes.append(node)
+            stack.extend(node.all_input_nodes)
+        elif isinstance(node.meta.get("val"), torch.Tensor):
+            sources.add(node)
+    routing = probe.ids_and_weights(sources)
+    if routing is None:
+        names = ", ".join(sorted(n.name for n in sources))
+        return NoMatch(f"the slot assignment does not derive from one ids and one weights tensor (it reads {names})", combine)
+    ids, weights = routing
+    tokens = shape(combine)[0]
+    at_ids = len(shape(weights)) == 2 and shape(weights) != shape(ids)
+    if len(shape(ids)) not in (1, 2) or not same_size(shape(ids)[0], tokens) or (shape(weights) != shape(ids) and not at_ids):
+        return NoMatch("the slot assignment's ids and weights are not [S, k] routing tensors", ids)
+    order = {n: i for i, n in enumerate(combine.graph.nodes)}
+    return ids, weights, at_ids, sorted(nodes, key=order.__getitem__)
+
+
+def _check_slots(combine, dispatch, order, ids, weights, at_ids, nodes, width) -> str | None:
+    """What breaks (1)-(3) of the module docstring on some probe routing, else None."""
+    tokens = int(probe.concrete(shape(ids)[0]))
+    top_k = int(probe.concrete(shape(ids)[1])) if len(shape(ids)) == 2 else 1
+    if tokens == 0 or top_k > width:
+        return "its routing cannot be probed (no tokens, or top-k wider than the experts)"
+    routings = [i for i, _ in probe.routing_probes(tokens, top_k, width, dtype(weights))]
+    crowded = torch.arange(top_k).expand(tokens, top_k)
+    routings += [crowded, crowded + (width - top_k)]  # every token on the same experts
+    tables = probe.column_probes(tokens, width, dtype(weights), count=len(routings))
+    for i, table in zip(routings, tables, strict=True):
+        kernel = table.gather(1, i) if at_ids else probe.column_probes(tokens, top_k, dtype(weights), count=1)[0]
+        given = table if at_ids else kernel
+        env = {ids: (i if len(shape(ids)) == 2 else i[:, 0]).to(dtype(ids)),
+               weights: given if at_ids or len(shape(weights)) == 2 else given[:, 0]}
+        values = probe.evaluate(nodes, env, extra_ops=frozenset({aten.topk.default}), crowded=True)
+        slots, weighted = values[dispatch].permute(order), values[combine]
+        if not bool(((slots == 0) | (slots == 1)).all()) or bool((slots.sum(0) > 1).any()):
+            return "a slot holds more than one token, or the dispatch is not 0/1"
+        if bool(((weighted != 0) & (slots != 1)).any()):
+            return "a token is weighted in a slot it was not dispatched to"
+        if not torch.equal(weighted.sum(-1), probe.padded_columns(i, kernel, width).to(weighted.dtype)):
+            return "the combine weights are not the routing weights (a token past a slot limit is dropped)"
+    return None
 
 
 FINDER = Finder(

@@ -110,9 +110,9 @@ def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
     peeled = match_terms(inner, rest, FORM)
     if not isinstance(peeled, ExpertsMatch):
         return result
-    coefficient = terms[last].coefficient
-    if coefficient is not None and peeled.ids in backward_slice(coefficient, ()):
-        return result
+    for coefficient in (terms[last].coefficient, *terms[last].more_factors):
+        if coefficient is not None and peeled.ids in backward_slice(coefficient, ()):
+            return result
     return peeled
 
 

@@ -304,6 +304,8 @@ def _routing_weights(join: Join, combine: Combine, terms: list, algebra: SlotAlg
     projection (Megatron: segments of one per-row weight list, appended to `segments` for the probes)."""
     values = strip_casts(combine.values)
     scaled = [t.coefficient for t in terms if t.coefficient is not None]
+    if any(t.more_factors for t in terms):
+        return NoMatch("an expert's output is scaled by several factors, not by its slot's weight", terms[0].term)
     if values is join.node and combine.weights is not None and not scaled:
         return combine.weights
     if values is join.node and combine.weights is None and len(scaled) == len(terms):

@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..fx_utils import (
     arguments,
     const_int,
+    dtype,
     is_call,
     shape,
     strip_casts,
@@ -119,29 +120,33 @@ def _candidates(_graph: torch.fx.Graph, anchors: list[Node]) -> list[Candidate]:
     return found
 
 
-def link_parts(node: Node) -> tuple[Node, object, object, object, bool] | None:
-    """(accumulator before, dim, token rows, expert output, overwrites) of one accumulation step.
+def link_parts(node: Node) -> tuple[Node, object, object, object, str] | None:
+    """(accumulator before, dim, token rows, expert output, how it writes) of one accumulation step.
 
-    `out.index_add_(0, tok, y)`; `out.index_put_((tok,), y, accumulate=True)`; or DeepSeek-V3's
+    `out.index_add_(0, tok, y)`; `out.index_put_((tok,), y, accumulate=True)` ("adds"); DeepSeek-V3's
     `out[tok] += y`, functionalized as index_put(out, [tok], out[tok] + y), which overwrites rows and
-    equals an index_add only when `tok` has no repeated rows (checked on the probes).
+    equals an index_add only when `tok` has no repeated rows ("rewrites"); or a store at a token mask,
+    `out[mask] = y` (Switch-style top-1 loops), which equals an index_add only where no other expert
+    writes those rows ("stores"; both checked on the probes).
     """
     if is_call(node, aten.index_add.default):
-        return node.args[0], node.args[1], node.args[2], node.args[3], False
+        return node.args[0], node.args[1], node.args[2], node.args[3], "adds"
     if is_call(node, aten.scatter_add.default) or (
             is_call(node, aten.scatter_reduce.two) and (arguments(node) or {}).get("reduce") == "sum"
             and (arguments(node) or {}).get("include_self", True)):
         rows = _broadcast_rows(node.args[2], node.args[3])
-        return (node.args[0], node.args[1], rows, node.args[3], False) if rows is not None else None
+        return (node.args[0], node.args[1], rows, node.args[3], "adds") if rows is not None else None
     if not is_call(node, aten.index_put.default) or len(node.args[1]) != 1:
         return None
     base, (rows,), values = node.args[:3]
     if len(node.args) > 3 and node.args[3]:
-        return base, 0, rows, values, False
+        return base, 0, rows, values, "adds"
     if is_call(values, aten.add.Tensor) and len(values.args) == 2:
         for old, new in (values.args, values.args[::-1]):
             if is_call(old, aten.index.Tensor) and old.args[0] is base and list(old.args[1]) == [rows]:
-                return base, 0, rows, new, True
+                return base, 0, rows, new, "rewrites"
+    if dtype(rows) == torch.bool and len(shape(rows) or ()) == 1:
+        return base, 0, rows, values, "stores"
     return None
 
 
@@ -201,7 +206,7 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
 
     terms: list[ExpertTerm] = []
     for link in links:
-        _, dim, index, source, overwrites = link_parts(link)
+        _, dim, index, source, writes = link_parts(link)
         if dim != 0 or not isinstance(index, Node) or not isinstance(source, Node):
             return no("expert outputs are not added back along the token dimension", link)
         cut = _cut_to_capacity(index)
@@ -222,7 +227,7 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
                 "an expert's input rows are not the hidden states at the tokens it adds back to", rows_value
             )
         terms.append(
-            dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index, rows_overwrite=overwrites)
+            dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index, rows_write=writes)
         )
     base = strip_casts(link_parts(links[0])[0])
     hidden_shape, out_shape = shape(terms[0].hidden), shape(base)

@@ -124,7 +124,7 @@ class ExpertsMatch:
     output: Node  # the node whose value the fused call replaces
     hidden: Node  # x, [T, H] (or a view of it)
     ids: Node  # [T, k] expert ids
-    weights: Node  # [T, k] routing weights
+    weights: Node  # [T, k] routing weights ([T, E] with weights_at_ids)
     num_experts: int
     top_k: int
     activation: str
@@ -146,6 +146,9 @@ class ExpertsMatch:
     # occur either); "dropped", an id >= E contributes nothing, as in the kernel (no id may be negative).
     # The pipeline checks this against the values the routing ids can take.
     sentinels: str | None = None
+    # `weights` is the [T, E] table of every expert's weight (the router's probabilities, no
+    # renormalisation), read at the ids (`probs[tok, e]`): the call takes table.gather(1, ids).
+    weights_at_ids: bool = False
     # Set by the pipeline where the ids' range is not proved: what the call checks before it runs.
     ids_check: IdsCheck | None = None
 

@@ -318,7 +318,7 @@ def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -
             continue
         taken.add(result.output)
         region = frozenset(region_of(result))
-        info = routing.describe(result.ids, result.weights)
+        info = routing.describe(result.ids, result.weights, result.weights_at_ids)
         ids = read_expert_ids(result.ids)
         reason = check(result, region, info, ids) or (_not_exact(result, region) if strict else None)
         if reason is not None:
@@ -332,7 +332,7 @@ def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -
                 continue
         lowered = on_router_ids(result, ids)
         if lowered is not result:
-            info = routing.describe(lowered.ids, lowered.weights)
+            info = routing.describe(lowered.ids, lowered.weights, lowered.weights_at_ids)
         found.accepted.append(Accepted(lowered, _layer_of(result), info, region))
 
 

@@ -34,6 +34,8 @@ PROBE_OPS = (
         aten.where.self,
         aten.where.ScalarOther,
         aten.sum.dim_IntList,
+        aten.any.dim,  # a token chose the expert in any of its k slots: `(ids == e).any(-1)`
+        aten.any.dims,
         aten.histc.default,
         aten.scatter.src,
         aten.scatter.value,
@@ -100,6 +102,9 @@ ORDER_OPS = frozenset(
         aten.sub.Tensor,
         operator.add,
         operator.sub,
+        aten.bincount.default,  # counts, and the largest count: a capacity that cuts nothing
+        aten.max.default,
+        aten.amax.default,
     }
 )
 PROBE_OPS = PROBE_OPS | ORDER_OPS
@@ -162,8 +167,10 @@ def concrete_args(args, env: dict):
     return torch.utils._pytree.tree_map(concrete, mapped)
 
 
-def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset()) -> dict:
-    """Run `nodes` (in graph order) with `env` holding the values of their inputs."""
+def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), crowded: bool = False) -> dict:
+    """Run `nodes` (in graph order) with `env` holding the values of their inputs. `crowded`: the caller
+    also probes routings that put every token on the same experts, where positions and counts are
+    largest, so a threshold on them bites there first and may be evaluated."""
     env = dict(env)
     sorted_, summed = set(), set()  # nodes computed from a sort / from a running sum
     for node in nodes:
@@ -177,7 +184,7 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset()) -
         from_sum = is_call(node, aten.cumsum.default) or any(n in summed for n in inputs)
         # Segment bounds (OFFSET_OPS) may clamp running sums to the rows they cut (`min(end, n)`): the
         # segments finder compares them with the runs themselves. Nothing else may threshold them.
-        if node.target in _THRESHOLDS and (from_sort or (from_sum and extra_ops is not OFFSET_OPS)):
+        if node.target in _THRESHOLDS and not crowded and (from_sort or (from_sum and extra_ops is not OFFSET_OPS)):
             raise NotProbeable(
                 f"{node.name} compares a position or offset with a threshold (a capacity, which probes rarely reach)"
             )

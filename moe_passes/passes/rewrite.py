@@ -89,6 +89,14 @@ def _checked(emit: _Emitter, ids: Node, check: IdsCheck) -> Node:
     return ids
 
 
+def _weights_at_ids(emit: _Emitter, table: Node, ids: Node) -> Node:
+    """table.gather(1, ids): each token's weights read at its ids from the [T, E] table. An id outside
+    the table (a sentinel the kernel skips) reads a clamped column, whose weight the kernel never uses."""
+    width = shape(table)[-1]
+    inside = emit.call(aten.clamp.default, (ids, 0, width - 1))
+    return emit.call(aten.gather.default, (_as_2d(emit, table, width), 1, inside))
+
+
 def _sizes_for(emit: _Emitter, output: Node, hidden: Node) -> list:
     """`output`'s shape as reshape arguments: a symbolic size is never written as a bare SymInt (the
     graph's code could not name it) but as -1 when it is the only one, else read off the hidden states
@@ -118,7 +126,8 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         ids = _cast(emit, _as_2d(emit, match.ids, match.top_k), torch.int64)
         if match.ids_check is not None:
             ids = _checked(emit, ids, match.ids_check)
-        weights = _cast(emit, _as_2d(emit, match.weights, match.top_k), dtype(x))
+        weights = _weights_at_ids(emit, match.weights, ids) if match.weights_at_ids else match.weights
+        weights = _cast(emit, _as_2d(emit, weights, match.top_k), dtype(x))
         values = {"hidden_states": x, "expert_routing_table": ids, "router_weights": weights}
         overload = match.overload
         stacked = weight_stacks.stacked_overload(target, overload)

@@ -99,8 +99,34 @@ def _unmasked(weights: Node) -> tuple[Node, bool]:
     return weights, False
 
 
-def describe(ids: Node, weights: Node) -> RoutingInfo:
-    """What routing produced (ids, weights); kind "opaque" when it is not a recognised form."""
+def _top1_of(ids: Node) -> Node | None:
+    """The scores of a top-1 choice written as `argmax(scores, -1)` or `scores.max(-1)[1]`."""
+    ids = strip_casts(ids)
+    if is_call(ids, aten.argmax.default):
+        return ids.args[0]
+    if is_getitem(ids, 1) and is_call(ids.args[0], aten.max.dim):
+        return ids.args[0].args[0]
+    return None
+
+
+def _read_at_ids(ids: Node, table: Node) -> RoutingInfo:
+    """Routing whose weights are the softmax table read at the chosen ids (no renormalisation)."""
+    topk = _topk_of(ids)
+    scores = topk.args[0] if topk is not None else _top1_of(ids)
+    softmax = _softmax(table)
+    if scores is not None and softmax is not None and strip_casts(scores) in (softmax, strip_casts(softmax.args[0])):
+        return RoutingInfo(
+            "softmax_topk", renormalized=False, softmax_fp32=dtype(softmax) == torch.float32,
+            num_experts=_width(softmax),
+        )
+    return RoutingInfo("opaque", num_experts=_width(table))
+
+
+def describe(ids: Node, weights: Node, at_ids: bool = False) -> RoutingInfo:
+    """What routing produced (ids, weights); kind "opaque" when it is not a recognised form. `at_ids`:
+    the weights are a [T, E] table, read at the ids."""
+    if at_ids:
+        return _read_at_ids(ids, weights)
     topk = _topk_of(ids)
     if topk is None:
         return RoutingInfo("opaque")

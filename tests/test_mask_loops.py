@@ -1,0 +1,136 @@
+"""Expert loops that select tokens with a boolean mask and read weights from the router's whole table.
+
+Written the way hand-written MoE code spells them, not the way transformers does:
+
+    best = probs.argmax(-1)                                  # Switch-style top-1, ids of shape [T]
+    for e in range(E):
+        mask = best == e
+        out[mask] = self.experts[e](x[mask]) * probs[mask, e, None]   # a store at a mask, not an add
+
+The expert-loop adapter captures the mask gathers (a nonzero underneath) in one graph; the sparse-loop
+finder reads the store as an accumulation only where no other expert writes the same rows (checked on
+the probe routings), and the weights as the table read at the ids. Each case also runs with
+`backend="eager"`'s output as the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers import eager_output, run_hpu_moe
+
+E, H, INTER = 4, 16, 8
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(H, INTER, bias=False), nn.Linear(H, INTER, bias=False)
+        self.down = nn.Linear(INTER, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Routed(nn.Module):
+    """A router and E experts; subclasses spell the loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(SwiGLU() for _ in range(E))
+
+
+class SwitchTop1(Routed):
+    """Top-1 by argmax; each expert stores its output at its tokens' mask."""
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        best = probs.argmax(-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            mask = best == e
+            out[mask] = self.experts[e](x[mask]) * probs[mask, e, None]
+        return out
+
+
+class OverlappingStores(Routed):
+    """Top-2 with stores: a token in two experts' masks keeps only the second expert's output."""
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        top = probs.topk(2, dim=-1).indices
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chose = (top == e).any(dim=-1)
+            out[chose] = expert(x[chose]) * probs[chose, e].unsqueeze(-1)
+        return out
+
+
+class TableWeights(Routed):
+    """Top-2 without renormalisation: rows by nonzero, weights read from the softmax table."""
+
+    def __init__(self, shift: int = 0):
+        super().__init__()
+        self.shift = shift  # read another expert's column: not the routing the experts got
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        _, chosen = probs.topk(2, dim=-1)
+        acc = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = torch.nonzero((chosen == e).any(dim=-1)).squeeze(-1)
+            column = (e + self.shift) % E
+            acc.index_add_(0, rows, expert(x[rows]) * probs[rows, column].unsqueeze(1))
+        return acc
+
+
+class DenseMaskedTable(Routed):
+    """Every expert on every token, scaled by its table column and by whether the token chose it."""
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        top = probs.topk(2, dim=-1).indices
+        out = torch.zeros_like(x)
+        for e in range(E):
+            chose = (top == e).any(-1, keepdim=True)
+            out = out + self.experts[e](x) * probs[:, e : e + 1] * chose
+        return out
+
+
+def _compile(model_class, *args, tokens: int = 13):
+    torch.manual_seed(0)
+    model = model_class(*args).eval()
+    inputs = (torch.randn(tokens, H),)
+    expected = eager_output(model, inputs)
+    report, output, _ = run_hpu_moe(model, inputs)
+    torch.testing.assert_close(output, expected)
+    return report
+
+
+@pytest.mark.parametrize("model_class", [SwitchTop1, TableWeights, DenseMaskedTable])
+def test_mask_selected_experts_with_table_weights_are_fused(model_class):
+    report = _compile(model_class)
+    assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
+    assert len(report.fused) == 1 and not report.declined, str(report)
+    assert report.fused[0].top_k == (1 if model_class is SwitchTop1 else 2), str(report)
+
+
+def test_switch_top1_is_fused_for_a_single_token():
+    report = _compile(SwitchTop1, tokens=1)
+    assert len(report.fused) == 1, str(report)
+
+
+def test_stores_at_overlapping_masks_are_declined():
+    report = _compile(OverlappingStores)
+    assert not report.fused and report.declined, str(report)
+    assert "another expert writes too" in report.declined[0].reason, str(report)
+
+
+def test_a_column_of_another_expert_is_not_the_routing():
+    report = _compile(TableWeights, 1)
+    assert not report.fused and report.declined, str(report)
+    assert "routing weight" in report.declined[0].reason, str(report)
