@@ -76,6 +76,9 @@ BY_TOKEN = ("index_add_by_token", "scatter_add_by_token", "index_put_by_token")
 ACCUMULATIONS = ("index_add_", "index_put_", "scatter_add_", "scatter_reduce_")
 # Dense loops: the [T, E] table of routing weights, in the spellings of that one step.
 TABLE_SPELLINGS = ("scatter", "scatter_add", "one_hot_sum", "index_put")
+# Sparse loops: how each expert selects its tokens and writes its output back (a store at a boolean
+# token mask, `out[mask] = y`, is an accumulation only for top-1: otherwise the masks overlap).
+SELECTIONS = ("where_index_add", "mask_store")
 # Batched rows: x repeated k times, in the spellings of that one step.
 ROW_SPELLINGS = ("repeat_interleave", "index_arange", "index_select_arange")
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
@@ -145,6 +148,8 @@ def expect_fused(case: Case) -> bool | None:
             return False
     if case.tokens == 0 and not case.experts.endswith("_mm"):
         return None
+    if case.spelled("select", "") == "mask_store" and case.top_k > 1:
+        return False  # a token in two experts' masks keeps only the last store: no MoE sum to fuse
     return True
 
 
@@ -191,6 +196,8 @@ def _spelling(draw, experts: str, storage: str) -> tuple[tuple[str, str], ...]:
         return (("rows", draw(st.sampled_from(ROW_SPELLINGS))),)
     if experts == "dense_scatter":
         return (("table", draw(st.sampled_from(TABLE_SPELLINGS))),)
+    if experts == "sparse_loop":
+        return (("select", draw(st.sampled_from(SELECTIONS))),)
     if experts == "segment_loop":
         return (("perm", draw(st.sampled_from(SPELLINGS["perm"]))), ("counts", draw(st.sampled_from(SPELLINGS["counts"]))),
                 ("accumulate", draw(st.sampled_from(ACCUMULATIONS))))
@@ -347,6 +354,13 @@ def dense_einsum(experts: Experts, x, ids, weights):
 
 def sparse_loop(experts: Experts, x, ids, weights):
     out = torch.zeros_like(x)
+    if experts.case.spelled("select", "where_index_add") == "mask_store":
+        for e in experts.held:
+            chose = ids == e
+            rows = chose.any(-1)
+            weight = (weights * chose).sum(-1, keepdim=True)
+            out[rows] = (experts.mlp(e, x[rows]) * weight[rows]).to(x.dtype)
+        return out
     mask = F.one_hot(ids, num_classes=experts.num_experts).permute(2, 1, 0)
     for e in experts.held:
         slot, token = torch.where(mask[e])

@@ -49,6 +49,27 @@ def run_hpu_moe(model, inputs, inner: str = "eager", **options):
     return report, output, recorder
 
 
+def backward_like_eager(model, inputs, **options):
+    """The report of one training step (forward and backward) of a copy of `model` compiled with hpu_moe,
+    after checking its output and every parameter's gradient against the eager model's."""
+    import copy
+
+    from moe_passes.explain import explaining
+
+    twin = copy.deepcopy(model).train()
+    model.train()
+    options.setdefault("target", "portable")
+    with explaining(options) as session:
+        output = session.compile(twin)(*inputs)
+        output.sum().backward()
+    expected = model(*inputs)
+    expected.sum().backward()
+    torch.testing.assert_close(output, expected)
+    for (name, ours), theirs in zip(twin.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=f"gradient of {name}")
+    return session.report
+
+
 def eager_output(model, inputs):
     with torch.no_grad():
         return model(*inputs)

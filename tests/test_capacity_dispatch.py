@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import eager_output, run_hpu_moe
+from tests.helpers import backward_like_eager, eager_output, run_hpu_moe
 
 E, H, INTER = 4, 16, 8
 
@@ -91,3 +91,10 @@ def test_slots_that_overflow_only_when_crowded_are_declined():
     report = _compile(SlotDispatch(1.0, shift_slots=True).eval())
     assert not report.fused and report.declined, str(report)
     assert "not the routing weights" in report.declined[0].reason, str(report)
+
+
+def test_a_dispatch_that_cannot_drop_trains_fused_like_eager():
+    """The call's router weights are the combine's table gathered at the ids: gradients reach the router."""
+    torch.manual_seed(0)
+    report = backward_like_eager(SlotDispatch(), (torch.randn(2, 5, H),))
+    assert len(report.fused) == 1 and report.fused[0].training, str(report)

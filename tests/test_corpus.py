@@ -33,7 +33,7 @@ OUTCOMES = {
     "fairseq_moe": "declined",
     "gpt_oss_torch_reference": "fused",
     "grok1_moe": "declined",
-    "hunyuan_large_moe": "declined",
+    "hunyuan_large_moe": "fused",
     "jetmoe_original": "declined",
     "llama4_reference_moe": "declined",
     "llama_moe": "declined",

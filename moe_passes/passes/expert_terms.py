@@ -51,6 +51,10 @@ from .mlp import (
 aten = torch.ops.aten
 NOT_ONE_IDS_AND_WEIGHTS = NoMatch("the per-expert routing weights do not derive from one ids tensor and one weights tensor")
 NOT_SCATTERED = "the per-expert weights are not scattered into a zero [T, E] table"
+STORES_UNDER_TOP_K = (
+    "experts store their outputs (`out[rows] = y`) under top-k routing with k > 1: a token two experts "
+    "chose keeps only the last store, which is not the sum the kernel computes"
+)
 
 
 @dataclass(frozen=True)
@@ -459,7 +463,9 @@ def _row_indices(rows: torch.Tensor) -> torch.Tensor:
 
 def _stores_overlap(envs_per_term, terms) -> bool:
     """Some token's row is stored by one expert (`out[mask] = y`) and written by another under a probe:
-    the store would replace, not add to, what the other wrote."""
+    the store would replace, not add to, what the other wrote. Stores are taken under top-1 routing only,
+    where a token's rows depend on its one id: the crowded probes (every token on id v, for each v) then
+    show every pair of experts whose masks can share a token."""
     for envs in zip(*envs_per_term, strict=True):
         rows = [_row_indices(env[term.rows]) for env, term in zip(envs, terms, strict=True) if term.rows is not None]
         stored = [r for r, term in zip(rows, [t for t in terms if t.rows is not None], strict=True)
@@ -542,6 +548,10 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
             return NoMatch(NOT_SCATTERED)
         width = int(probe.concrete(shape(table)[1]))
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
+    if any(t.rows_write == "stores" for t in terms):
+        if top_k > 1:
+            return NoMatch(STORES_UNDER_TOP_K)
+        probes += probe.crowded_probes(tokens, 1, width, dtype(weights))  # no id in two experts' masks
     if at_ids:  # every cell of the table holds a weight; the kernel's are those at the ids
         tables = probe.column_probes(tokens, width, dtype(weights), count=len(probes))
         probes = [(i, table) for (i, _), table in zip(probes, tables, strict=True)]

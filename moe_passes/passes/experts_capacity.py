@@ -262,8 +262,7 @@ def _check_slots(combine, dispatch, order, ids, weights, at_ids, nodes, width) -
     if tokens == 0 or top_k > width:
         return "its routing cannot be probed (no tokens, or top-k wider than the experts)"
     routings = [i for i, _ in probe.routing_probes(tokens, top_k, width, dtype(weights))]
-    crowded = torch.arange(top_k).expand(tokens, top_k)
-    routings += [crowded, crowded + (width - top_k)]  # every token on the same experts
+    routings += [i for i, _ in probe.crowded_probes(tokens, top_k, width, dtype(weights))]
     tables = probe.column_probes(tokens, width, dtype(weights), count=len(routings))
     for i, table in zip(routings, tables, strict=True):
         kernel = table.gather(1, i) if at_ids else probe.column_probes(tokens, top_k, dtype(weights), count=1)[0]

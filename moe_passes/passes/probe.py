@@ -248,6 +248,18 @@ def routing_probes(tokens: int, top_k: int, num_experts: int, weight_dtype: torc
     return probes
 
 
+def crowded_probes(tokens: int, top_k: int, num_experts: int, weight_dtype: torch.dtype) -> list:
+    """Routings that put every token on the same k experts (e .. e + k - 1, wrapping), one per e: where
+    counts and positions are largest (a threshold on them bites there first), and where two top-1 masks
+    that can share a token do."""
+    generator = torch.Generator().manual_seed(4321)
+    return [
+        ((torch.arange(top_k) + e).remainder(num_experts).expand(tokens, top_k).clone(),
+         _small_integers((tokens, top_k), generator, weight_dtype))
+        for e in range(num_experts)
+    ]
+
+
 def column_probes(tokens: int, num_experts: int, dtype: torch.dtype, count: int = 3):
     """Probe [T, E] tables standing in for the padded per-expert weights."""
     return [
