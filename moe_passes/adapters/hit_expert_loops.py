@@ -49,6 +49,7 @@ import ast
 import dataclasses
 import dis
 import functools
+import inspect
 import logging
 import os
 import types
@@ -1211,7 +1212,8 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
         code = getattr(inner or fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not (
-            _SIGNS & set(code.co_names) or _masks_in_a_loop(code) or _calls_cumsum(inner or fn)
+            _SIGNS & set(code.co_names) or _calls_cumsum(inner or fn) or (
+                _masks_in_a_loop(code) and _selects_in_a_loop(inner or fn))
         ):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn)
@@ -1266,6 +1268,16 @@ def _masks_in_a_loop(code: types.CodeType) -> bool:
     if not all(ops & wanted for wanted in _LOOP_MASK_OPS):
         return False
     return any(i.opname in ("BINARY_SUBSCR", "STORE_SUBSCR") or i.argrepr == "[]" for i in dis.get_instructions(code))
+
+
+def _selects_in_a_loop(fn: types.FunctionType) -> bool:
+    """Some loop of `fn`'s source selects an expert's tokens (read only for methods the bytecode filter
+    flags: a loop that indexes with a comparison may be anything, and only expert loops are reported)."""
+    try:
+        fn_def, _ = function_source(inspect.unwrap(fn))
+    except (NotAdaptable, OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.For) and _selects_tokens(node) for node in walk_function(fn_def))
 
 
 def _calls_cumsum(fn: types.FunctionType) -> bool:
