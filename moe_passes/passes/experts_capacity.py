@@ -263,10 +263,9 @@ def _check_slots(combine, dispatch, order, ids, weights, at_ids, nodes, width) -
         return "its routing cannot be probed (no tokens, or top-k wider than the experts)"
     routings = [i for i, _ in probe.routing_probes(tokens, top_k, width, dtype(weights))]
     routings += [i for i, _ in probe.crowded_probes(tokens, top_k, width, dtype(weights))]
-    tables = probe.column_probes(tokens, width, dtype(weights), count=len(routings))
-    for i, table in zip(routings, tables, strict=True):
-        kernel = table.gather(1, i) if at_ids else probe.column_probes(tokens, top_k, dtype(weights), count=1)[0]
-        given = table if at_ids else kernel
+    given_weights = probe.column_probes(tokens, width if at_ids else top_k, dtype(weights), count=len(routings))
+    for i, given in zip(routings, given_weights, strict=True):
+        kernel = given.gather(1, i) if at_ids else given  # the [S, k] weights the call takes
         env = {ids: (i if len(shape(ids)) == 2 else i[:, 0]).to(dtype(ids)),
                weights: given if at_ids or len(shape(weights)) == 2 else given[:, 0]}
         values = probe.evaluate(nodes, env, extra_ops=frozenset({aten.topk.default}), crowded=True)
