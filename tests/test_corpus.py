@@ -35,7 +35,7 @@ OUTCOMES = {
     "grok1_moe": "declined",
     "hunyuan_large_moe": "fused",
     "jetmoe_original": "declined",
-    "labml_switch": "not captured",
+    "labml_switch": "fused",
     "llama4_reference_moe": "declined",
     "llama_moe": "declined",
     "llm_foundry_dmoe": "fused",

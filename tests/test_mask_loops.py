@@ -157,3 +157,23 @@ def test_switch_top1_trains_fused_like_eager():
     torch.manual_seed(0)
     report = backward_like_eager(SwitchTop1(), (torch.randn(13, H),))
     assert len(report.fused) == 1 and report.fused[0].training, str(report)
+
+
+class IndexListsScaledAfter(Routed):
+    """Top-1 by `max`; index lists built by a comprehension, stored at their rows, and the router's
+    probability applied to the whole output after the loop (labml.ai's annotated Switch layer)."""
+
+    def forward(self, x):
+        best_prob, best = self.router(x).softmax(-1).max(dim=-1)
+        rows = [torch.eq(best, e).nonzero(as_tuple=True)[0] for e in range(E)]
+        out = x.new_zeros(x.shape)
+        outputs = [self.experts[e](x[rows[e], :]) for e in range(E)]
+        for e in range(E):
+            out[rows[e], :] = outputs[e]
+        return out * best_prob.view(-1, 1)
+
+
+def test_comprehended_index_lists_scaled_after_the_loop_are_fused():
+    report = _compile(IndexListsScaledAfter)
+    assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
+    assert len(report.fused) == 1 and report.fused[0].top_k == 1, str(report)

@@ -691,6 +691,11 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     calls = adapted_calls(fn)
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or reads_counts_as_numbers(fn_def, assignments)
                or splits_by_host_sizes(fn_def, assignments))
+    comprehended = [n for n in walk_function(fn_def) if isinstance(n, ast.ListComp | ast.GeneratorExp)
+                    and _selects_tokens(_as_loop(n))]
+    if comprehended:  # `[eq(routes, i).nonzero() for i in range(E)]`: the shapes are captured as in a loop
+        captures = True
+        selecting.extend(n.lineno for n in comprehended)
     cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node)
                  for line in capacity_cuts(node))
     plan = Plan(
@@ -771,6 +776,13 @@ def _selects_tokens(loop: ast.For) -> bool:
         if operand is not None and _is_expert_mask(operand, varying, masks):
             return True
     return False
+
+
+def _as_loop(comprehension: ast.ListComp | ast.GeneratorExp) -> ast.For:
+    """A one-generator comprehension read as the loop it spells (`[f(i) for i in it]`)."""
+    generator = comprehension.generators[0]
+    return ast.For(target=generator.target, iter=generator.iter, body=[ast.Expr(comprehension.elt)], orelse=[],
+                   lineno=comprehension.lineno)
 
 
 def _index_variables(loop: ast.For) -> set[str]:
@@ -882,6 +894,14 @@ class _Rewrite(ast.NodeTransformer):
     def visit_Assign(self, node: ast.Assign):
         if node.lineno in self.dropped:  # read only by guards the copy removes
             return ast.copy_location(ast.Pass(), node)
+        comprehends = any(isinstance(n, ast.ListComp | ast.GeneratorExp) and n.lineno in self.selecting
+                          for n in ast.walk(node.value))
+        if comprehends:  # `rows = [eq(ids, e).nonzero() for e in ...]`: shapes captured while it is traced
+            return [_statement("capture_dynamic_output_shapes", node), self._visit_assign(node),
+                    _statement("stop_capturing_dynamic_output_shapes", node)]
+        return self._visit_assign(node)
+
+    def _visit_assign(self, node: ast.Assign):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
             loop = self.by_hit[node.targets[0].id]
             call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {loop.dims!r})")
@@ -1212,7 +1232,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
         code = getattr(inner or fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not (
-            _SIGNS & set(code.co_names) or _calls_cumsum(inner or fn) or (
+            _SIGNS & _names(code) or _calls_cumsum(inner or fn) or (
                 _masks_in_a_loop(code) and _selects_in_a_loop(inner or fn))
         ):
             continue  # cheap filter: no token selection, nothing to adapt
@@ -1253,6 +1273,16 @@ def redecorated(traced: types.FunctionType, context) -> types.FunctionType:
             return traced(*args, **kwargs)
 
     return decorated
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names `code` uses, its comprehensions' included (their own code objects
+    before Python 3.12)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 _LOOP_MASK_OPS = [

@@ -75,6 +75,9 @@ class ExpertTerm:
     # Further factors of the coefficient (`MLP(x) * w[:, e:e+1] * chose`: a weight and a mask); the
     # expert's per-token weight is their product with `coefficient`.
     more_factors: tuple[Node, ...] = ()
+    # The coefficient holds one value per token ([T, 1]) and scales the accumulated output after the loop
+    # (labml's Switch: `out * p_max[:, None]`); each row of a sparse term then takes its token's value.
+    coefficient_by_token: bool = False
     # Sparse loops (experts_sparse_loop.py): the token indices this expert gathers its rows from and
     # adds its output back to. None for a dense term, which covers every token.
     rows: Node | None = None
@@ -386,6 +389,7 @@ def _frontier(terms: list[ExpertTerm], through_tables: bool = False) -> tuple[se
             slices.append(nodes)
             for node in nodes:
                 frontier.update(n for n in node.all_input_nodes if n in common)
+            frontier.update(n for n in term.outputs() if n in common)  # one weight every term shares
         masks = {n for n in frontier if probe.builds_mask(n) or (through_tables and probe.builds_table(n))}
         if not masks:
             return frontier, slices
@@ -450,7 +454,11 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
         return None
     if term.rows_write != "adds" and rows.unique().numel() != rows.numel():
         return None
-    per_row = _token_axis_values(_coefficient_value(term, env), (rows.shape[0], int(width)), rows.shape[0])
+    if term.coefficient_by_token:
+        per_token = _token_axis_values(_coefficient_value(term, env), (tokens, int(width)), tokens)
+        per_row = per_token[rows] if per_token is not None else None
+    else:
+        per_row = _token_axis_values(_coefficient_value(term, env), (rows.shape[0], int(width)), rows.shape[0])
     if per_row is None:
         return None
     return torch.zeros(tokens, dtype=per_row.dtype).index_add_(0, rows, per_row)
@@ -527,7 +535,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
     if shape(ids) != shape(weights):
         for name, node in (("ids", ids), ("weights", weights)):
             base = strip_shape_ops(node)
-            if base is not node and len(shape(base) or ()) == 2:
+            if base is not node and len(shape(base) or ()) in (1, 2):  # [T, k], or [T] for top-1
                 views[name] = (node, base, probe.slice_between(node, {base}))
         ids, weights = (views[name][1] if name in views else node for name, node in (("ids", ids), ("weights", weights)))
     at_ids = _read_at_ids(ids, weights, len(terms))

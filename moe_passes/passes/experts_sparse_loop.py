@@ -145,8 +145,8 @@ def link_parts(node: Node) -> tuple[Node, object, object, object, str] | None:
         for old, new in (values.args, values.args[::-1]):
             if is_call(old, aten.index.Tensor) and old.args[0] is base and list(old.args[1]) == [rows]:
                 return base, 0, rows, new, "rewrites"
-    if dtype(rows) == torch.bool and len(shape(rows) or ()) == 1:
-        return base, 0, rows, values, "stores"
+    if isinstance(rows, Node) and not dtype(rows).is_floating_point and len(shape(rows) or ()) == 1:
+        return base, 0, rows, values, "stores"  # at a token mask, or at token indices (`out[idx, :] = y`)
     return None
 
 
@@ -238,7 +238,27 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
         tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
     if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
         return no("the accumulator does not hold one row per token of the hidden states", base)
-    return match_terms(through_trailing_cast(end), terms, FORM)
+    root = through_trailing_cast(end)
+    scaled = _scaled_after(root) if all(t.coefficient is None and t.input_scaled_by is None for t in terms) else None
+    if scaled is not None:  # out * w[:, None] after the loop: each expert's rows take their tokens' weight
+        root, weight = scaled
+        terms = [dataclasses.replace(t, coefficient=weight, coefficient_by_token=True) for t in terms]
+    return match_terms(root, terms, FORM)
+
+
+def _scaled_after(out: Node) -> tuple[Node, Node] | None:
+    """(the product, w) when the accumulated output's one use is `out * w` with w one value per token."""
+    if len(out.users) != 1:
+        return None
+    product = next(iter(out.users))
+    if not is_call(product, aten.mul.Tensor) or not all(isinstance(a, Node) for a in product.args[:2]):
+        return None
+    weight = product.args[1] if product.args[0] is out else product.args[0]
+    out_shape, weight_shape = shape(out), shape(weight)
+    if weight is out or len(weight_shape or ()) != 2 or len(out_shape or ()) != 2:
+        return None
+    per_token = statically_known_true(weight_shape[0] == out_shape[0]) and const_int(weight_shape[1]) == 1
+    return (product, weight) if per_token else None
 
 
 # Each link is an index_add (or an accumulating index_put) into the output.
