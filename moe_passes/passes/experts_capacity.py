@@ -41,9 +41,8 @@ DROPS = (
     "style): tokens past an expert's capacity are dropped from it, and the fused kernel computes every routed "
     "token"
 )
-NO_DROP_YET = (
-    "capacity-limited dispatch ([tokens, experts, capacity] tensors) whose capacity is at least the token "
-    "count, so no token is dropped; rewriting a dispatch by slot position is not supported yet"
+AT_LEAST_TOKENS = (
+    "capacity-limited dispatch ([tokens, experts, capacity] tensors) whose capacity is at least the token count"
 )
 
 
@@ -134,9 +133,9 @@ def _never_dropping(out: Node, combine: Node, outputs: Node) -> ExpertsMatch | N
     try:
         broken = _check_slots(combine, dispatch, order, ids, weights, at_ids, nodes, width)
     except probe.NotProbeable as why:
-        return NoMatch(f"{NO_DROP_YET}: {unprobeable('its slot assignment', why)}", combine)
+        return NoMatch(f"{AT_LEAST_TOKENS}: {unprobeable('its slot assignment', why)}", combine)
     if broken is not None:
-        return NoMatch(f"capacity-limited dispatch whose capacity is at least the token count: {broken}", combine)
+        return NoMatch(f"{AT_LEAST_TOKENS}: {broken}", combine)
     unread = one_activation(terms) or first_no_match(*(roles := [role_weights(terms, r) for r in ("gate_up", "gate", "up", "down")]))
     if unread is not None:
         return unread
