@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_passes.adapters.host_reads import CutToCapacity, capacity_cut
+from moe_passes.adapters.host_reads import CutToCapacity, capacity_cut, cut_to_capacity
 from tests.helpers import eager_output, run_hpu_moe
 
 E, H, INTER, K = 4, 16, 8, 2
@@ -59,7 +59,7 @@ class CapacityMoE(nn.Module):
 
 def _one_graph_report(model):
     """The report of a compile whose output equals eager's; None where torch 2.9's dynamo guards on the
-    unbacked size at the cut (a named break, nothing fused)."""
+    unbacked size at a slice by a capacity read on the host (a named break, nothing fused)."""
     torch.manual_seed(0)
     inputs = (torch.randn(13, H),)
     expected = eager_output(model, inputs)
@@ -76,8 +76,7 @@ def _one_graph_report(model):
 def test_a_capacity_cut_is_one_graph_declined_and_equal_to_eager(capacity_factor):
     torch.manual_seed(0)
     report = _one_graph_report(CapacityMoE(capacity_factor).eval())
-    if report is None:
-        return
+    assert report is not None  # torch 2.9 too: the cut narrows to min(len, C), which it traces
     if capacity_factor < 1:
         assert not report.fused and "cut to a capacity" in report.declined[0].reason, str(report)
     else:  # C = 26 >= 13 tokens: the shape environment bounds each expert's rows by 13, so nothing is cut
@@ -90,10 +89,10 @@ def test_the_cut_is_the_same_value_as_the_branch(shape, test):
     source = f"rows[:3] if {test} else rows"
     original = ast.parse(source, mode="eval")
     assert capacity_cut(original.body) is not None
-    rewritten = ast.fix_missing_locations(CutToCapacity().visit(ast.parse(source, mode="eval")))
+    rewritten = ast.fix_missing_locations(CutToCapacity("cut_to_capacity").visit(ast.parse(source, mode="eval")))
     rows = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
     expected = eval(compile(original, "<cut>", "eval"), {"rows": rows})
-    actual = eval(compile(rewritten, "<cut>", "eval"), {"rows": rows})
+    actual = eval(compile(rewritten, "<cut>", "eval"), {"rows": rows, "cut_to_capacity": cut_to_capacity})
     assert actual.shape == expected.shape and torch.equal(actual, expected)
 
 

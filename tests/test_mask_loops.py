@@ -177,3 +177,27 @@ def test_comprehended_index_lists_scaled_after_the_loop_are_fused():
     report = _compile(IndexListsScaledAfter)
     assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
     assert len(report.fused) == 1 and report.fused[0].top_k == 1, str(report)
+
+
+class LookupsInALoop(nn.Module):
+    """Not an expert loop: a table looked up at each key under a comparison, as bookkeeping code
+    (torch's DistributedDataParallel among them) writes it. `table[key]` is not a boolean-mask gather."""
+
+    def forward(self, names, params):
+        index_of = {p: i for i, p in enumerate(params)}
+        found = {}
+        for key in names:
+            if key != "skip":
+                position = index_of[key]
+                found[position] = key
+        return found
+
+
+def test_lookups_in_a_loop_are_not_expert_loops():
+    from torch.nn.parallel import DistributedDataParallel
+
+    from moe_passes.adapters.hit_expert_loops import adaptations_of
+
+    assert adaptations_of(LookupsInALoop) == {}
+    assert adaptations_of(DistributedDataParallel) == {}
+    assert set(adaptations_of(SwitchTop1)) == {"forward"}

@@ -71,6 +71,7 @@ from .host_reads import (
     capacity_cut,
     capacity_cuts,
     check_length_reads,
+    cut_to_capacity,
     data_length_names,
     link_parents,
     list_indices,
@@ -764,16 +765,26 @@ def _selects_tokens(loop: ast.For) -> bool:
                     if isinstance(name, ast.Name):
                         values.setdefault(name.id, []).append(stmt.value)
     varying = _index_variables(loop)
-    masks: set[str] = set()
+    masks: set[str] = set()  # names holding one expert's mask, a lookup `mask[e]` included
+    compared: set[str] = set()  # those that are boolean by construction: a comparison or `.bool()`
     while True:  # names whose value depends on the loop variable, and names holding such masks
         grown_varying = varying | {k for k, vs in values.items() if any(_mentions(v, varying) for v in vs)}
         grown_masks = masks | {k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, masks) for v in vs)}
-        if grown_varying == varying and grown_masks == masks:
+        grown_compared = compared | {
+            k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, compared, lookups=False) for v in vs)
+        }
+        if (grown_varying, grown_masks, grown_compared) == (varying, masks, compared):
             break
-        varying, masks = grown_varying, grown_masks
+        varying, masks, compared = grown_varying, grown_masks, grown_compared
     for inner in ast.walk(loop):
         operand = _selection_operand(inner)
-        if operand is not None and _is_expert_mask(operand, varying, masks):
+        if operand is None:
+            continue
+        if isinstance(inner, ast.Subscript):
+            # `x[M]` selects by a mask only where M is boolean: `table[key[e]]` is a lookup, not a selection
+            if _is_expert_mask(operand, varying, compared, lookups=False):
+                return True
+        elif _is_expert_mask(operand, varying, masks):
             return True
     return False
 
@@ -821,11 +832,12 @@ def _mentions(expr: ast.AST, names: set[str]) -> bool:
 _MASK_VIEWS = VIEW_METHODS | {"squeeze", "unsqueeze", "flatten", "bool"}
 
 
-def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str]) -> bool:
+def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: bool = True) -> bool:
     """`expr` is one expert's mask: an equality with a value that changes with the expert index
-    (`ids == e`, `torch.eq(ids, e)`), an indexing by it (`mask[e]`), a name holding one, or `&`/`|`
-    with one, through view-like methods. Range tests (`lo <= t < hi`) pick clusters or spans, not one
-    expert's tokens."""
+    (`ids == e`, `torch.eq(ids, e)`), an indexing by it (`mask[e]`; with `lookups` off, only when cast
+    by `.bool()`), a name holding one, or `&`/`|` with one, through view-like methods. Range tests
+    (`lo <= t < hi`) pick clusters or spans, not one expert's tokens."""
+    lookups = lookups or _casts_to_bool(expr)
     expr = strip_methods(expr, _MASK_VIEWS)
     if isinstance(expr, ast.Name):
         return expr.id in masks
@@ -836,12 +848,21 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str]) -> bool:
     if call_name(expr) == "eq":
         return _mentions(ast.Tuple(list(expr.args)), varying)
     if isinstance(expr, ast.Subscript):
-        return _mentions(expr.slice, varying)
+        return lookups and _mentions(expr.slice, varying)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
-        return _is_expert_mask(expr.left, varying, masks) or _is_expert_mask(expr.right, varying, masks)
+        return _is_expert_mask(expr.left, varying, masks, lookups) or _is_expert_mask(expr.right, varying, masks, lookups)
     if call_name(expr) == "any" and isinstance(expr.func, ast.Attribute) and (expr.args or expr.keywords):
         # `(ids == e).any(dim=-1)`: the tokens that chose the expert in any slot (makeMoE)
-        return _is_expert_mask(expr.func.value, varying, masks)
+        return _is_expert_mask(expr.func.value, varying, masks, lookups)
+    return False
+
+
+def _casts_to_bool(expr: ast.AST) -> bool:
+    """`expr` ends in a `.bool()` among view-like calls (`expert_mask[e].bool().squeeze(0)`)."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in _MASK_VIEWS:
+        if expr.func.attr == "bool":
+            return True
+        expr = expr.func.value
     return False
 
 
@@ -1036,7 +1057,7 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
     new_def = _Rewrite(plan).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
     if plan.cuts:
-        new_def = CutToCapacity().visit(new_def)
+        new_def = CutToCapacity(f"{_HELPERS}.cut_to_capacity").visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
     prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()", f"{_HELPERS}.capture_scalar_outputs()"] if (
@@ -1204,6 +1225,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         rows_to_visit=rows_to_visit,
         index_value=index_value,
         cut=cut,
+        cut_to_capacity=cut_to_capacity,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
         stop_capturing_dynamic_output_shapes=_stop_capturing_dynamic_output_shapes,

@@ -39,6 +39,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 
+import torch
+
 from .source_ast import NotAdaptable, call_name, loop_index, span, stored_names, strip_methods, walk_function
 
 _VIEWS = {"view", "reshape", "flatten", "contiguous", "cpu", "long", "int", "to", "squeeze", "unsqueeze"}
@@ -257,20 +259,34 @@ def capacity_cut(expr: ast.AST) -> tuple[str, ast.expr, bool] | None:
 
 
 class CutToCapacity(ast.NodeTransformer):
-    """`A[:c] if A.numel() > c else A` -> `A[:c]` (for numel, `A[:c] if A.dim() == 1 else <as written>`)."""
+    """`A[:c] if A.numel() > c else A` -> `cut(A, c)`, where `cut` is `cut_to_capacity` (for numel,
+    `cut(A, c) if A.dim() == 1 else <as written>`)."""
+
+    def __init__(self, cut: str):
+        self.cut = ast.parse(cut, mode="eval").body
 
     def visit_IfExp(self, node: ast.IfExp):
         node = self.generic_visit(node)
         found = capacity_cut(node)
         if found is None:
             return node
-        rows, _, counts_elements = found
+        rows, capacity, counts_elements = found
+        cut = ast.copy_location(ast.Call(self.cut, [ast.Name(rows, ast.Load()), capacity], []), node.body)
         if not counts_elements:
-            return node.body
+            return cut
         one_dim = ast.Compare(
             ast.Call(ast.Attribute(ast.Name(rows, ast.Load()), "dim", ast.Load()), [], []), [ast.Eq()],
             [ast.Constant(1)])
-        return ast.copy_location(ast.IfExp(one_dim, node.body, node), node)
+        return ast.copy_location(ast.IfExp(one_dim, cut, node), node)
+
+
+def cut_to_capacity(rows, capacity):
+    """`rows[:capacity]`. For a count (an int >= 0) it is spelled `narrow(0, 0, min(len, capacity))`:
+    the same rows, and a length dynamo before torch 2.11 can trace when `rows` has a data-dependent
+    length (slicing there guards on which of the two is smaller, and raises)."""
+    if isinstance(capacity, int) and capacity >= 0:  # not a SymInt: `>= 0` would guard on an unbacked one
+        return rows.narrow(0, 0, torch.sym_min(rows.shape[0], capacity))
+    return rows[:capacity]
 
 
 def capacity_cuts(tree: ast.AST) -> tuple[int, ...]:
@@ -357,5 +373,5 @@ def _split_source(expr: ast.AST, assignments: dict, line: int) -> str | None:
     return ast.unparse(sizes[0])
 
 
-__all__ = ["CutToCapacity", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
+__all__ = ["CutToCapacity", "cut_to_capacity", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
            "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable", "SplitPieces", "split_pieces"]

@@ -22,6 +22,7 @@ hidden dim, and the rows a segment of the slots sorted by expert, cut at offsets
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch.fx import Node
@@ -72,8 +73,7 @@ def _cut_to_capacity(rows: Node) -> Node | None:
             args = arguments(node) or {}
             size = shape(args.get("input"))[args.get("dim", 0)] if shape(args.get("input")) else None
             start, end = args.get("start"), args.get("end")
-            whole = start in (None, 0) and args.get("step", 1) == 1 and (
-                end is None or (not isinstance(end, Node) and size is not None and statically_known_true(end >= size)))
+            whole = start in (None, 0) and args.get("step", 1) == 1 and (end is None or _at_least(end, size))
             segment = args.get("step", 1) == 1 and all(
                 bound in (None, 0) or _data_offset(bound) for bound in (start, end)) and not (
                 start in (None, 0) and end is None)
@@ -81,6 +81,17 @@ def _cut_to_capacity(rows: Node) -> Node | None:
                 return node
         node = strip_shape_ops(node.args[0])
     return None
+
+
+def _at_least(end: object, size: object) -> bool:
+    """`end` (an int, or a node of a symbolic int) is proved >= `size`. `min(len, C)`, the length a cut
+    to capacity C narrows to, is, where both are: proved one by one, as sympy does not prove a Min."""
+    if is_call(end, torch.sym_min):
+        return all(_at_least(bound, size) for bound in end.args)
+    if is_call(end, operator.add) and 0 in end.args:
+        return _at_least(next(a for a in end.args if not (isinstance(a, int) and a == 0)), size)
+    value = end.meta.get("val") if isinstance(end, Node) else end
+    return size is not None and isinstance(value, int | torch.SymInt) and statically_known_true(value >= size)
 
 
 _PER_ROW = (aten.floor_divide.default, aten.div.Tensor_mode, aten.remainder.Scalar, aten.index.Tensor)

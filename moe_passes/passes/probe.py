@@ -176,7 +176,7 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
     for node in nodes:
         if node in env:
             continue
-        allowed = node.target in PROBE_OPS or node.target in extra_ops or is_cast(node)
+        allowed = node.target in PROBE_OPS or node.target in extra_ops or is_cast(node) or _size_arithmetic(node)
         if node.op != "call_function" or not allowed:
             raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
         inputs = node.all_input_nodes
@@ -197,6 +197,17 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
             kwargs["device"] = "cpu"
         env[node] = node.target(*concrete_args(node.args, env), **kwargs)
     return env
+
+
+# Sizes read off probed tensors and integer arithmetic on them (a cut's `min(len(rows), C)`): exact on
+# concrete probes. Allowed only where they yield a number, so no tensor op enters by this door.
+_SIZE_ARITHMETIC = frozenset({
+    aten.sym_size.int, operator.add, operator.sub, operator.mul, operator.floordiv, torch.sym_min, torch.sym_max,
+})
+
+
+def _size_arithmetic(node: Node) -> bool:
+    return node.target in _SIZE_ARITHMETIC and isinstance(node.meta.get("val"), int | torch.SymInt)
 
 
 def slice_between(outputs: Node | list[Node], inputs: set[Node]) -> list[Node]:
