@@ -99,16 +99,38 @@ def test_held_experts_in_another_order_are_fused_on_the_remapped_ids():
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-def test_ids_that_can_be_negative_are_declined_with_the_value(implementation):
-    model = RankOfExperts(negative, implementation).eval()
+def test_ids_that_can_be_negative_are_declined_with_the_value():
+    model = RankOfExperts(negative, "grouped_mm").eval()
     inputs = (torch.randn(10, 16),)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert not recorder.fused_nodes()
     (declined,) = report.declined
     assert "can be negative (-4)" in declined.reason or "take values -4..4" in declined.reason, declined.reason
-    # No output check: transformers' experts themselves give no defined result for negative ids (grouped_mm's
-    # sort puts them before the first group's offset), and eager and compiled code disagree on it.
+    # No output check: transformers' grouped experts give no defined result for negative ids (the sort
+    # puts them before the first group's offset), and eager and compiled code disagree on it.
+
+
+def test_negative_ids_of_zero_weight_are_fused_in_batched_experts():
+    """transformers' batched experts clamp every id onto a held expert and scale each slot by its weight:
+    the choices that become negative ids weigh zero (`weights * mine`), so they add nothing there, and the
+    kernel skips them (router ids, window 4..7)."""
+    model = RankOfExperts(negative, "batched_mm").eval()
+    inputs = (torch.randn(10, 16),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    (node,) = recorder.fused_nodes()
+    assert fused_range(node) == (4, 7, "aten.topk.default"), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_unheld_ids_that_keep_their_weight_are_declined_in_batched_experts():
+    """The same ids, the weights not masked: a choice of another rank's expert is clamped onto a held one
+    and counted with its weight, which the kernel would skip."""
+    model = RankOfExperts(lambda g: (negative(g)[0], torch.ones_like(g, dtype=torch.bool)), "batched_mm").eval()
+    inputs = (torch.randn(10, 16),)
+    report, _, recorder = run_hpu_moe(model, inputs)
+    assert not recorder.fused_nodes()
+    (declined,) = report.declined
+    assert "-4" in declined.reason, declined.reason
 
 
 class DenseLoopRank(torch.nn.Module):

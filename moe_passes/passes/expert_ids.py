@@ -104,6 +104,39 @@ def read_expert_ids(ids: Node) -> ExpertIds | None:
     return ExpertIds(values)
 
 
+def vanishing_choices(weights: Node, choices: Node) -> frozenset[int]:
+    """The router choices g at which `weights` is zero whatever the scores: a product (or a `masked_fill`
+    with 0) one of whose factors is computed from `choices` alone, element by element, and is 0 at g
+    (`weights * mine`, `mine` saying that this rank holds the chosen expert)."""
+    node = weights
+    while isinstance(node, Node) and (node.target in _ORDER_KEEPING or node.target is aten._to_copy.default):
+        node = node.args[0]
+    if not isinstance(node, Node):
+        return frozenset()
+    if is_call(node, aten.mul.Tensor):
+        return frozenset().union(*(
+            vanishing_choices(f, choices) | _zeros_of(f, choices, shape(node), lambda v: v == 0) for f in node.args[:2]
+        ))
+    if is_call(node, aten.masked_fill.Scalar) and node.args[2] == 0:
+        return vanishing_choices(node.args[0], choices) | _zeros_of(node.args[1], choices, shape(node), bool)
+    return frozenset()
+
+
+def _zeros_of(factor, choices: Node, full_shape, zero) -> frozenset[int]:
+    """The choices g where `zero(factor at g)`, for a factor of `full_shape` (no broadcast) that is a
+    function of `choices` element by element; else none."""
+    if not isinstance(factor, Node) or shape(factor) != full_shape:
+        return frozenset()
+    reader = _Reader()
+    try:
+        value = reader.evaluate(factor)
+    except _Unreadable:
+        return frozenset()
+    if reader.root is not choices or not reader.positional.get(factor, False) or not isinstance(value, torch.Tensor):
+        return frozenset()
+    return frozenset(g for g, v in enumerate(value.reshape(-1).tolist()) if zero(v))
+
+
 class _Reader:
     """Evaluates the id arithmetic on the router's choices: each root-derived node becomes a 1-D tensor
     over the choices (positional when each element still belongs to its choice), each constant a

@@ -125,6 +125,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
         **stacks,
         **bias_fields(tail.gate.swiglu, tail.up.bias, down.bias),
         sentinels="dropped" if ids_clamped and sentinels_dropped else "clamped" if ids_clamped else None,
+        slots_scaled=True,
     )
 
 

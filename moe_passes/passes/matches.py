@@ -146,6 +146,9 @@ class ExpertsMatch:
     # occur either); "dropped", an id >= E contributes nothing, as in the kernel (no id may be negative).
     # The pipeline checks this against the values the routing ids can take.
     sentinels: str | None = None
+    # Each slot's output is its (clamped) expert's output times its own weight (transformers' batched
+    # experts): a slot whose weight is zero contributes nothing, whatever its id was clamped onto.
+    slots_scaled: bool = False
     # `weights` is the [T, E] table of every expert's weight (the router's probabilities, no
     # renormalisation), read at the ids (`probs[tok, e]`): the call takes table.gather(1, ids).
     weights_at_ids: bool = False

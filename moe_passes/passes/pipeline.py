@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 
 from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
 from . import routing
-from .expert_ids import ExpertIds, UnboundedIds, check_unbounded_ids, read_expert_ids
+from .expert_ids import ExpertIds, UnboundedIds, check_unbounded_ids, read_expert_ids, vanishing_choices
 from .finder import Finder, discover
 from .matches import Decline, ExpertsMatch, RoutingInfo
 from .rewrite import rewrite_experts
@@ -156,6 +156,8 @@ def _ids_reason(match: ExpertsMatch, info: RoutingInfo, ids: ExpertIds | None) -
             return f"the router scores {info.num_experts} experts but the region holds experts {held}"
         return None
     if ids is not None:
+        if match.slots_scaled and match.sentinels and _unheld_choices_weigh_nothing(match, ids):
+            return None
         if match.sentinels == "dropped":
             if ids.low < 0:
                 return f"the routing ids can be negative ({ids.low}), and the experts drop only ids >= {match.num_experts}"
@@ -172,6 +174,16 @@ def _ids_reason(match: ExpertsMatch, info: RoutingInfo, ids: ExpertIds | None) -
     if info.num_experts is not None and info.num_experts != match.num_experts:
         return f"the router scores {info.num_experts} experts but the region holds experts {held}"
     return None
+
+
+def _unheld_choices_weigh_nothing(match: ExpertsMatch, ids: ExpertIds) -> bool:
+    """Every router choice whose id falls outside the held experts has a weight of zero (`weights *
+    mine`): the region clamps such an id onto a held expert and scales that slot by zero, the kernel
+    skips it; both add nothing."""
+    if ids.by_choice is None:
+        return False
+    unheld = {g for g, v in enumerate(ids.by_choice) if not match.experts_min <= v <= match.experts_max}
+    return unheld <= vanishing_choices(match.weights, ids.choices)
 
 
 def on_router_ids(match: ExpertsMatch, ids: ExpertIds | None) -> ExpertsMatch:
