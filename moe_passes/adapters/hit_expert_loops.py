@@ -79,6 +79,7 @@ from .host_reads import (
     splits_by_host_sizes,
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
+from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
@@ -689,7 +690,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         guards.extend(removable)
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
-    calls = adapted_calls(fn)
+    calls = adapted_calls(fn)  # cuts at offsets: their bounds are read as numbers
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or reads_counts_as_numbers(fn_def, assignments)
                or splits_by_host_sizes(fn_def, assignments))
     comprehended = [n for n in walk_function(fn_def) if isinstance(n, ast.ListComp | ast.GeneratorExp)
@@ -700,7 +701,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node)
                  for line in capacity_cuts(node))
     plan = Plan(
-        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), calls, tuple(lists), tuple(selecting),
+        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**calls, **adapted_one_hot_calls(fn)},
+        tuple(lists), tuple(selecting),
         _read_only_by(fn_def, set(guards)), cuts, tuple(fixed),
     )
     if plan.captures_shapes or plan.captures_scalars:
@@ -1254,7 +1256,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
         code = getattr(inner or fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not (
-            _SIGNS & _names(code) or _calls_cumsum(inner or fn) or (
+            _SIGNS & _names(code) or _calls_adaptable_helper(inner or fn) or (
                 _masks_in_a_loop(code) and _selects_in_a_loop(inner or fn))
         ):
             continue  # cheap filter: no token selection, nothing to adapt
@@ -1332,9 +1334,11 @@ def _selects_in_a_loop(fn: types.FunctionType) -> bool:
     return any(isinstance(node, ast.For) and _selects_tokens(node) for node in walk_function(fn_def))
 
 
-def _calls_cumsum(fn: types.FunctionType) -> bool:
-    """`fn` calls, by a global name, a function that computes a cumsum (offsets, maybe to cut at)."""
-    return any(sums_offsets(fn.__globals__.get(name)) for name in fn.__code__.co_names)
+def _calls_adaptable_helper(fn: types.FunctionType) -> bool:
+    """`fn` calls, by a global name, a function that computes a cumsum (offsets, maybe to cut at) or
+    sizes a one-hot on the host (a cut of it may not need the size)."""
+    return any(sums_offsets(callee := fn.__globals__.get(name)) or sizes_one_hot_on_host(callee)
+               for name in fn.__code__.co_names)
 
 
 def traceable_forward_of(cls: type) -> types.FunctionType | None:

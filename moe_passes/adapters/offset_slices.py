@@ -30,7 +30,15 @@ import types
 import numpy
 import torch
 
-from .source_ast import NotAdaptable, bindings, call_name, decided, function_source, walk_function
+from .source_ast import (
+    NotAdaptable,
+    adapted_callees,
+    bindings,
+    call_name,
+    decided,
+    function_source,
+    walk_function,
+)
 
 _HELPERS = "__moe_passes_offset_helpers"
 _DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
@@ -77,14 +85,7 @@ def cut(rows: torch.Tensor, start, end) -> torch.Tensor:
 
 def adapted_calls(fn: types.FunctionType) -> dict[str, types.FunctionType]:
     """{global name: traced copy} for the plain functions `fn` calls by a global name that cut at offsets."""
-    found = {}
-    for name in fn.__code__.co_names:
-        callee = fn.__globals__.get(name)
-        if sums_offsets(callee):
-            traced = traced_copy(callee)
-            if traced is not None:
-                found[name] = traced
-    return found
+    return adapted_callees(fn, sums_offsets, traced_copy)
 
 
 def sums_offsets(callee) -> bool:

@@ -129,6 +129,17 @@ def defining_bindings(name: str, assignments: dict) -> list | None:
     return defining or None
 
 
+def adapted_callees(fn, wanted, traced_copy) -> dict:
+    """{global name: traced copy} for the plain functions `fn` calls by a global name of its module that
+    `wanted` (a cheap filter) flags and `traced_copy` adapts (None: left as written)."""
+    found = {}
+    for name in fn.__code__.co_names:
+        callee = fn.__globals__.get(name)
+        if wanted(callee) and (traced := traced_copy(callee)) is not None:
+            found[name] = traced
+    return found
+
+
 def decided(cache: dict, key, where: str, decide, kind: str):
     """`cache[key]`, from `decide()` the first time: its result, or the reason (naming `where`) when the
     source does not prove the adaptation or cannot be read. Never raises: unusual source is left as

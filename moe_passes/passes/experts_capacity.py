@@ -6,7 +6,9 @@
 Each expert takes at most C tokens; the gating drops the ones past that (their weight is zeroed), which
 the fused kernel never does. Both einsums are read with `axes.contraction` (whatever views, bmm or mm over
 the merged E * C dim they became: fairseq writes them as `mm`). A region whose capacity is not proved at
-least the token count is declined, never rewritten.
+least the token count is declined, never rewritten. Tokens dispatched in groups ([G, S, E, C]: tensor2tensor,
+lucidrains; each group has its own capacity, the experts often batched einsums) are read the same way and
+always declined: dropping where C < S, and not rewritten where it cannot drop.
 
 With C >= S (Hunyuan-Large: C = S) and experts that run one MLP per expert on its [C, M] slots, the
 region is the fused kernel's sum when, for every routing, (1) the dispatch is 0/1 with at most one token
@@ -61,21 +63,38 @@ def _combine(node: Node) -> tuple[Node, Node] | None:
     last of its views that keeps [S, M] (a reshape back to [B, T, M] splits S); the outputs may carry
     leading dims of size 1 (fairseq's [all2all size, E, C, M], combined with `mm` over E * C)."""
     leaves = frontier(_top(node))
+    if leaves is not None and len(leaves) > 2:  # batched experts: their own matmuls extend the chain
+        leaves = frontier(_top(node), stop=lambda n: n is not node and is_call(n, aten.bmm.default, aten.mm.default))
     if leaves is None or len(leaves) != 2 or not all(len(shape(leaf) or ()) >= 3 for leaf in leaves):
         return None
     chain = [node]
     while chain[-1] is not _top(node):
         chain.append(next(iter(chain[-1].users)))
     for table, outputs in (leaves, leaves[::-1]):
-        extra = len(shape(outputs)) - 3
-        if len(shape(table)) != 3 or any(size != 1 for size in shape(outputs)[:extra]):
-            continue
-        sizes = dict(zip("sec", shape(table), strict=True), m=shape(outputs)[-1])
-        for at in reversed(chain):
-            read = contraction(at, {table: ("s", "e", "c"), outputs: (None,) * extra + ("e", "c", "m")})
-            if read is not None and _reads_as(read, sizes, "sm", "ec"):
-                return table, outputs
+        for table_axes, outputs_axes in _labellings(table, outputs):
+            sizes = dict(zip(table_axes, shape(table), strict=True), m=shape(outputs)[-1])
+            for at in reversed(chain):
+                read = contraction(at, {table: table_axes, outputs: outputs_axes})
+                if read is not None and _reads_as(read, sizes, "gsm" if "g" in table_axes else "sm", "ec"):
+                    return table, outputs
     return None
+
+
+def _labellings(table: Node, outputs: Node) -> list[tuple[tuple, tuple]]:
+    """How the combine's two operands may be labelled: [S, E, C] and [.., E, C, M] (leading dims of size
+    1), or, for tokens dispatched in groups (tensor2tensor's and lucidrains' [G, S, E, C], S the tokens of
+    a group, each group with its own capacity), [G, S, E, C] and [E, G, C, M], [G, E, C, M] or [E, G * C, M]."""
+    rank = len(shape(outputs))
+    if len(shape(table)) == 3 and rank >= 3 and all(size == 1 for size in shape(outputs)[: rank - 3]):
+        return [(("s", "e", "c"), (None,) * (rank - 3) + ("e", "c", "m"))]
+    if len(shape(table)) == 4 and rank == 4:
+        return [(("g", "s", "e", "c"), ("e", "g", "c", "m")), (("g", "s", "e", "c"), ("g", "e", "c", "m"))]
+    if len(shape(table)) == 4 and rank == 3:  # the experts ran on [E, G * C, M]
+        groups, _, _, capacity = shape(table)
+        labelled = tuple(a for a, size in (("g", groups), ("c", capacity)) if not same_size(size, 1))  # size 1: no label
+        merged = labelled if len(labelled) > 1 else labelled[0] if labelled else None
+        return [(("g", "s", "e", "c"), ("e", merged, "m"))]
+    return []
 
 
 def _reads_as(read, sizes: dict, kept: str, summed: str) -> bool:
@@ -106,9 +125,12 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     if found is None or not _dispatched_by(found[1], found[0]):
         return None
     combine, outputs = found
-    tokens, _, capacity = shape(combine)
+    tokens, _, capacity = shape(combine)[-3:]
     if not statically_known_true(capacity >= tokens):
         return Decline(FORM, DROPS, _top(anchor))
+    if len(shape(combine)) == 4:
+        return Decline(FORM, f"{AT_LEAST_TOKENS}, dispatched in groups ([groups, tokens, experts, capacity])",
+                       _top(anchor))
     read = _never_dropping(_top(anchor), combine, outputs)
     return read if isinstance(read, ExpertsMatch) else read.decline(FORM, _top(anchor))
 
