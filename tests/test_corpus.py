@@ -48,7 +48,7 @@ OUTCOMES = {
     "olmo_core_moe": "not captured",
     "openmoe": "declined",
     "phi35_moe": "fused",
-    "skywork_moe_plus_plus": "not captured",
+    "skywork_moe_plus_plus": "declined",
     "torchtune_llama4_moe": "declined",
     "torchtune_qwen3_moe": "fused",
     "tt_forge_deepseek_v3_batched": "fused",

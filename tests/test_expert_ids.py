@@ -122,6 +122,15 @@ def test_negative_ids_of_zero_weight_are_fused_in_batched_experts():
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
+def test_strict_mode_declines_unheld_slots_scaled_by_zero():
+    """Those slots still run a held expert in the layer as written: an inf there is NaN after * 0."""
+    model = RankOfExperts(negative, "batched_mm").eval()
+    report, _, recorder = run_hpu_moe(model, (torch.randn(10, 16),), strict=True)
+    assert not recorder.fused_nodes()
+    (declined,) = report.declined
+    assert "0 * inf" in declined.reason, declined.reason
+
+
 def test_unheld_ids_that_keep_their_weight_are_declined_in_batched_experts():
     """The same ids, the weights not masked: a choice of another rank's expert is clamped onto a held one
     and counted with its weight, which the kernel would skip."""

@@ -201,3 +201,40 @@ def test_lookups_in_a_loop_are_not_expert_loops():
     assert adaptations_of(LookupsInALoop) == {}
     assert adaptations_of(DistributedDataParallel) == {}
     assert set(adaptations_of(SwitchTop1)) == {"forward"}
+
+
+def _loop_with(selection: str) -> type:
+    """A module whose loop over the experts gathers `x[<selection>]`: ids [T]; mask [E, T], boolean;
+    hits [E, T, 1], int64 (a one-hot)."""
+    import linecache
+
+    code = (
+        "class Loop(nn.Module):\n"
+        "    def forward(self, x, ids):\n"
+        "        mask = ids == torch.arange(E)[:, None]\n"
+        "        hits = F.one_hot(ids, E).t()[:, :, None]\n"
+        "        out = torch.zeros_like(x)\n"
+        "        for e in range(E):\n"
+        f"            out[{selection}] += x[{selection}]\n"
+        "        return out\n"
+    )
+    filename = f"<mask loop: {selection}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # for inspect.getsource
+    namespace = {"torch": torch, "nn": nn, "F": F, "E": E}
+    exec(compile(code, filename, "exec"), namespace)  # noqa: S102 - test-only source
+    return namespace["Loop"]
+
+
+@pytest.mark.parametrize("selection, selects", [
+    ("ids == e", True),
+    ("mask[e]", True),  # a lookup in a name bound only to a comparison: boolean
+    ("hits[e].any(-1)", True),  # `any` is boolean whatever it reduces
+    ("hits[e].squeeze(-1).bool()", True),
+    ("hits[e].squeeze(-1)", False),  # int64: an integer gather of rows 0 and 1, not the expert's tokens
+    ("(ids == e).long()", False),
+    ("mask[e].bool().long()", False),
+])
+def test_a_subscript_selects_an_experts_tokens_only_with_a_boolean_mask(selection, selects):
+    from moe_passes.adapters.hit_expert_loops import _selects_in_a_loop
+
+    assert _selects_in_a_loop(_loop_with(selection).forward) is selects

@@ -34,6 +34,26 @@ def unproved_width(slots, capacity, width):
     return F.one_hot(slots, max(width, slots.max() + 1))[..., :capacity]
 
 
+def width_parameter_bound_sometimes(slots, capacity, width, auto):
+    if auto:
+        width = max(slots.max() + 1, capacity)
+    return F.one_hot(slots, width)[..., :capacity]
+
+
+def cut_moved_after_the_max(slots, capacity):
+    width = max(slots.max() + 1, capacity)
+    capacity = capacity + 2
+    return F.one_hot(slots, width)[..., :capacity]
+
+
+def one_hot(slots, classes):  # a module's own one_hot, smoothed: not torch's
+    return F.one_hot(slots, classes).float() * 0.9 + 0.1 / classes
+
+
+def own_one_hot_cut(slots, capacity):
+    return one_hot(slots, max(slots.max() + 1, capacity))[..., :capacity]
+
+
 @pytest.mark.parametrize("helper", [slot_one_hot, inline_slot_one_hot], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("capacity", [1, 3, 9])
 def test_the_copy_is_the_same_one_hot(helper, capacity):
@@ -44,9 +64,16 @@ def test_the_copy_is_the_same_one_hot(helper, capacity):
     assert copy(slots, capacity).dtype == expected.dtype and torch.equal(copy(slots, capacity), expected)
 
 
-def test_a_width_not_shown_to_reach_the_cut_is_left_as_written():
-    # `max(width, ...)` need not reach `capacity`: the cut may then be narrower than `capacity`
-    assert traced_copy(unproved_width) is None
+@pytest.mark.parametrize("helper", [unproved_width, width_parameter_bound_sometimes, cut_moved_after_the_max,
+                                    own_one_hot_cut], ids=lambda f: f.__name__)
+def test_a_width_not_shown_to_reach_the_cut_is_left_as_written(helper):
+    # the width need not reach the cut (a parameter, `capacity` rebound), or the one_hot is not torch's
+    assert traced_copy(helper) is None
+
+
+def test_a_negative_cut_is_computed_as_written():
+    copy, slots = traced_copy(slot_one_hot), torch.tensor([0, 1, 2])
+    assert torch.equal(copy(slots, -1), slot_one_hot(slots, -1))
 
 
 class GroupedDispatch(nn.Module):

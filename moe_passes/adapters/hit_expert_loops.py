@@ -613,11 +613,13 @@ class Plan:
     dropped: tuple[int, ...] = ()  # lines of bindings read only by removed guards (host-read counts)
     cuts: tuple[int, ...] = ()  # lines of `A[:c] if A.numel() > c else A` in token-selecting loops (host_reads)
     fixed_counts: tuple[FixedCounts, ...] = ()  # bincounts an offset loop reads, counted into one bin per expert
+    # {attribute: (function, its traced copy)}: `self.attribute(...)` calls a module function held there
+    held: dict = dataclasses.field(default_factory=dict)
 
     def changes_anything(self) -> bool:
         return bool(
             self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
-            or self.list_indices or self.dropped or self.cuts or self.fixed_counts
+            or self.list_indices or self.dropped or self.cuts or self.fixed_counts or self.held
         )
 
 
@@ -636,10 +638,11 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     loops, guards, captures, kept, count_loops, lists, selecting, fixed = [], [], False, [], [], [], [], []
     pieces: dict[str, str] = {}  # names of pieces of rows split at host counts -> the counts
     selected_anywhere = {n for stmt in walk_function(fn_def) for n in _rows_names(stmt, None, "")}
+    boolean = _boolean_names(fn_def)
     for node in walk_function(fn_def):
         if not isinstance(node, ast.For):
             continue
-        if _selects_tokens(node):
+        if _selects_tokens(node, boolean):
             selected = {n for stmt in node.body for n in _rows_names(stmt, None, "")}
             lists.extend(list_indices(node, selected))
         try:
@@ -653,7 +656,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         except NotAdaptable as exc:
             kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
             log.info("guard of the loop over the counts kept: %s", exc)
-        selects = _selects_tokens(node)
+        selects = _selects_tokens(node, boolean)
         captures = captures or selects
         if selects:
             selecting.append(node.lineno)
@@ -694,14 +697,14 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or reads_counts_as_numbers(fn_def, assignments)
                or splits_by_host_sizes(fn_def, assignments))
     comprehended = [n for n in walk_function(fn_def) if isinstance(n, ast.ListComp | ast.GeneratorExp)
-                    and _selects_tokens(_as_loop(n))]
+                    and _selects_tokens(_as_loop(n), boolean)]
     if comprehended:  # `[eq(routes, i).nonzero() for i in range(E)]`: the shapes are captured as in a loop
         captures = True
         selecting.extend(n.lineno for n in comprehended)
-    cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node)
+    cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node, boolean)
                  for line in capacity_cuts(node))
     plan = Plan(
-        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**calls, **adapted_one_hot_calls(fn)},
+        loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**adapted_one_hot_calls(fn), **calls},
         tuple(lists), tuple(selecting),
         _read_only_by(fn_def, set(guards)), cuts, tuple(fixed),
     )
@@ -754,11 +757,13 @@ def _read_only_by(fn_def: ast.FunctionDef, guards: set[int]) -> tuple[int, ...]:
     return tuple(dropped)
 
 
-def _selects_tokens(loop: ast.For) -> bool:
+def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> bool:
     """The loop selects the tokens of its expert: `torch.where(M)` (one argument) or a `nonzero` of M,
     where M compares with or is indexed by the loop variable (`ids == e`, `mask[e]`, `ids == start + e`),
-    directly or through names bound in the loop. Loops that select rows by anything else (cluster
-    bounds, padding masks) are not expert loops and are left alone."""
+    directly or through names bound in the loop, or a boolean-mask index `x[M]` with M boolean by
+    construction (a comparison, `.bool()`, `.any()`, or, in a `range` loop, a lookup `mask[e]` in a name
+    `boolean` holds: the function binds it only to booleans). Loops that select rows by anything else (cluster bounds,
+    padding masks) are not expert loops and are left alone."""
     values: dict[str, list[ast.AST]] = {}
     for stmt in ast.walk(loop):
         if isinstance(stmt, ast.Assign):
@@ -767,13 +772,16 @@ def _selects_tokens(loop: ast.For) -> bool:
                     if isinstance(name, ast.Name):
                         values.setdefault(name.id, []).append(stmt.value)
     varying = _index_variables(loop)
+    if call_name(loop.iter) != "range":
+        boolean = frozenset()  # `mask[i]` over `enumerate(batch)` picks a sequence's tokens, not an expert's
     masks: set[str] = set()  # names holding one expert's mask, a lookup `mask[e]` included
     compared: set[str] = set()  # those that are boolean by construction: a comparison or `.bool()`
     while True:  # names whose value depends on the loop variable, and names holding such masks
         grown_varying = varying | {k for k, vs in values.items() if any(_mentions(v, varying) for v in vs)}
         grown_masks = masks | {k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, masks) for v in vs)}
         grown_compared = compared | {
-            k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, compared, lookups=False) for v in vs)
+            k for k, vs in values.items()
+            if any(_is_expert_mask(v, grown_varying, compared, lookups=False, boolean=boolean) for v in vs)
         }
         if (grown_varying, grown_masks, grown_compared) == (varying, masks, compared):
             break
@@ -784,7 +792,7 @@ def _selects_tokens(loop: ast.For) -> bool:
             continue
         if isinstance(inner, ast.Subscript):
             # `x[M]` selects by a mask only where M is boolean: `table[key[e]]` is a lookup, not a selection
-            if _is_expert_mask(operand, varying, compared, lookups=False):
+            if _is_expert_mask(operand, varying, compared, lookups=False, boolean=boolean):
                 return True
         elif _is_expert_mask(operand, varying, masks):
             return True
@@ -834,12 +842,17 @@ def _mentions(expr: ast.AST, names: set[str]) -> bool:
 _MASK_VIEWS = VIEW_METHODS | {"squeeze", "unsqueeze", "flatten", "bool"}
 
 
-def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: bool = True) -> bool:
+def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: bool = True,
+                    boolean: frozenset[str] = frozenset()) -> bool:
     """`expr` is one expert's mask: an equality with a value that changes with the expert index
     (`ids == e`, `torch.eq(ids, e)`), an indexing by it (`mask[e]`; with `lookups` off, only when cast
-    by `.bool()`), a name holding one, or `&`/`|` with one, through view-like methods. Range tests
-    (`lo <= t < hi`) pick clusters or spans, not one expert's tokens."""
-    lookups = lookups or _casts_to_bool(expr)
+    by `.bool()` or when `mask` is in `boolean`), a name holding one, or `&`/`|` with one, through
+    view-like methods. With `lookups` off, a cast to another dtype (`(ids == e).long()`) makes it an
+    index, not a mask. Range tests (`lo <= t < hi`) pick clusters or spans, not one expert's tokens."""
+    cast = _outer_cast(expr)
+    if cast is not None and cast != "bool" and not lookups:
+        return False
+    lookups = lookups or cast == "bool"
     expr = strip_methods(expr, _MASK_VIEWS)
     if isinstance(expr, ast.Name):
         return expr.id in masks
@@ -850,22 +863,69 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: 
     if call_name(expr) == "eq":
         return _mentions(ast.Tuple(list(expr.args)), varying)
     if isinstance(expr, ast.Subscript):
-        return lookups and _mentions(expr.slice, varying)
+        held = isinstance(expr.value, ast.Name) and expr.value.id in boolean
+        return (lookups or held) and _mentions(expr.slice, varying)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
-        return _is_expert_mask(expr.left, varying, masks, lookups) or _is_expert_mask(expr.right, varying, masks, lookups)
+        return any(_is_expert_mask(side, varying, masks, lookups, boolean) for side in (expr.left, expr.right))
     if call_name(expr) == "any" and isinstance(expr.func, ast.Attribute) and (expr.args or expr.keywords):
-        # `(ids == e).any(dim=-1)`: the tokens that chose the expert in any slot (makeMoE)
-        return _is_expert_mask(expr.func.value, varying, masks, lookups)
+        # `(ids == e).any(dim=-1)`, boolean whatever it reduces: the tokens that chose the expert in any slot
+        return _is_expert_mask(expr.func.value, varying, masks, True, boolean)
     return False
 
 
-def _casts_to_bool(expr: ast.AST) -> bool:
-    """`expr` ends in a `.bool()` among view-like calls (`expert_mask[e].bool().squeeze(0)`)."""
+_DTYPE_CASTS = {"bool", "long", "int", "float", "half", "double", "byte", "bfloat16"}
+_DTYPE_NAMES = _DTYPE_CASTS | {"int64", "int32", "int16", "int8", "uint8", "float32", "float16", "float64"}
+
+
+def _outer_cast(expr: ast.AST) -> str | None:
+    """The outermost dtype cast among the view-like calls that end `expr` ("bool" for
+    `mask[e].bool().squeeze(0)`, "long" for `(ids == e).long()`, `.to(torch.long)` included), or None."""
     while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in _MASK_VIEWS:
-        if expr.func.attr == "bool":
-            return True
+        method = expr.func.attr
+        if method in _DTYPE_CASTS:
+            return method
+        if method == "to":
+            named = [a.attr for a in (*expr.args, *(k.value for k in expr.keywords))
+                     if isinstance(a, ast.Attribute) and a.attr in _DTYPE_NAMES]
+            if named:
+                return named[0]
         expr = expr.func.value
-    return False
+    return None
+
+
+def _boolean_names(fn_def: ast.FunctionDef) -> frozenset[str]:
+    """Names every binding of which in `fn_def` is boolean by construction (a comparison, `eq`-like calls,
+    `.bool()`, `.any()`/`.all()`, `~`, `&`/`|` of booleans)."""
+    assigned: dict[str, list[ast.AST]] = {}
+    for name, statements in bindings(fn_def).items():
+        if all(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+               for st in statements):
+            assigned[name] = [st.value for st in statements]
+    found: set[str] = set()
+    while True:
+        grown = found | {name for name, values in assigned.items() if all(_is_boolean(v, found) for v in values)}
+        if grown == found:
+            return frozenset(found)
+        found = grown
+
+
+_BOOLEAN_CALLS = {"eq", "ne", "lt", "le", "gt", "ge", "isin", "logical_and", "logical_or", "logical_not", "any", "all"}
+
+
+def _is_boolean(expr: ast.AST, boolean: set[str]) -> bool:
+    cast = _outer_cast(expr)
+    if cast is not None:
+        return cast == "bool"
+    expr = strip_methods(expr, _MASK_VIEWS)
+    if isinstance(expr, ast.Compare):
+        return True
+    if isinstance(expr, ast.Name):
+        return expr.id in boolean
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
+        return _is_boolean(expr.operand, boolean)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
+        return _is_boolean(expr.left, boolean) and _is_boolean(expr.right, boolean)
+    return call_name(expr) in _BOOLEAN_CALLS
 
 
 def _is_full_slice(expr: ast.AST) -> bool:
@@ -885,7 +945,8 @@ def _is_full_slice(expr: ast.AST) -> bool:
 class _Rewrite(ast.NodeTransformer):
     """`H = C.nonzero()` -> `H, all = all_rows(C, M, dims)`; `for v in H:` -> loop over indices."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, this: str | None = None):
+        self.this = this  # the method's instance argument
         self.by_hit = {loop.hit: loop for loop in plan.hit_loops}
         self.by_line = {loop.line: loop for loop in plan.hit_loops}
         self.guards = set(plan.guards)
@@ -894,6 +955,7 @@ class _Rewrite(ast.NodeTransformer):
         self.selecting = set(plan.selecting)
         self.dropped = set(plan.dropped)
         self.fixed_counts = {f.at: f for f in plan.fixed_counts}
+        self.held = set(plan.held)
 
     def visit_Call(self, node: ast.Call):
         fixed = self.fixed_counts.get(span(node))
@@ -905,6 +967,9 @@ class _Rewrite(ast.NodeTransformer):
         node = self.generic_visit(node)
         if isinstance(node.func, ast.Name) and node.func.id in self.calls:  # the copy that cuts at numbers
             node.func = ast.copy_location(_parse_expr(f"{_HELPERS}.call_{node.func.id}"), node.func)
+        elif _held_call(node, self.this) in self.held:  # `self.gate(...)` -> `held_gate(self.gate)(...)`
+            held = ast.Call(_parse_expr(f"{_HELPERS}.held_{node.func.attr}"), [node.func], [])
+            node.func = ast.copy_location(held, node.func)
         return node
 
     def visit_If(self, node: ast.If):
@@ -1057,7 +1122,7 @@ def _parse_expr(text: str, ctx=None) -> ast.expr:
 def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.FunctionType:
     """`fn` with each hit loop running over all experts and each proved guard removed; same globals,
     closure, defaults and file. Data-dependent shapes are captured when the copy is traced."""
-    new_def = _Rewrite(plan).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
+    new_def = _Rewrite(plan, _instance_name(fn_def)).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
     if plan.cuts:
         new_def = CutToCapacity(f"{_HELPERS}.cut_to_capacity").visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
@@ -1071,6 +1136,8 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     helpers = _helpers_namespace()
     for name, copy in plan.calls.items():
         setattr(helpers, f"call_{name}", copy)
+    for attribute, (original, copy) in plan.held.items():
+        setattr(helpers, f"held_{attribute}", _held_copy(original, copy))
     return compile_with_helpers(fn, new_def, filename, _HELPERS, helpers)
 
 
@@ -1251,16 +1318,19 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     Reasons for methods left as written are kept for `declined_classes` and the report.
     """
     found = {}
+    held = {}
+    for klass in cls.__mro__[:-1]:  # functions stored by this class's __init__ or a base's
+        held = {**held_functions(klass), **held}
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
         code = getattr(inner or fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not (
-            _SIGNS & _names(code) or _calls_adaptable_helper(inner or fn) or (
+            _SIGNS & _names(code) or _calls_adaptable_helper(inner or fn) or set(held) & set(code.co_names) or (
                 _masks_in_a_loop(code) and _selects_in_a_loop(inner or fn))
         ):
             continue  # cheap filter: no token selection, nothing to adapt
-        traced = _decide(cls, name, fn)
+        traced = _decide(cls, name, fn, held)
         if traced is not None:
             found[name] = traced
     return found
@@ -1331,7 +1401,8 @@ def _selects_in_a_loop(fn: types.FunctionType) -> bool:
         fn_def, _ = function_source(inspect.unwrap(fn))
     except (NotAdaptable, OSError, TypeError, SyntaxError):
         return False
-    return any(isinstance(node, ast.For) and _selects_tokens(node) for node in walk_function(fn_def))
+    boolean = _boolean_names(fn_def)
+    return any(isinstance(node, ast.For) and _selects_tokens(node, boolean) for node in walk_function(fn_def))
 
 
 def _calls_adaptable_helper(fn: types.FunctionType) -> bool:
@@ -1341,12 +1412,91 @@ def _calls_adaptable_helper(fn: types.FunctionType) -> bool:
                for name in fn.__code__.co_names)
 
 
+def _held_copy(original: types.FunctionType, copy: types.FunctionType):
+    """What a held call calls: the copy while the attribute still holds `original` (a trace-time test:
+    dynamo guards on the attribute), else whatever it holds now."""
+
+    def held(current):
+        return copy if current is original else current
+
+    return held
+
+
+def _held_call(node: ast.AST, this: str | None) -> str | None:
+    """`attr` for a call `this.attr(...)`, `this` the method's first argument (its instance)."""
+    func = node.func if isinstance(node, ast.Call) else None
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == this:
+        return func.attr
+    return None
+
+
+def _instance_name(fn_def: ast.FunctionDef) -> str | None:
+    return fn_def.args.args[0].arg if fn_def.args.args else None
+
+
+_HELD: dict[type, dict[str, tuple[types.FunctionType, types.FunctionType]]] = {}
+
+
+def held_functions(cls: type) -> dict[str, tuple[types.FunctionType, types.FunctionType]]:
+    """{attribute: (function, traced copy)} for module functions with expert loops that `cls.__init__`
+    stores on the instance (`self.gate = gating`, Skywork MoE++'s router), as adapted for hpu_moe."""
+    if cls not in _HELD:
+        _HELD[cls] = {}
+        init = cls.__dict__.get("__init__")
+        code = getattr(init, "__code__", None)
+        functions = {
+            name: fn for name in (code.co_names if code else ())
+            if isinstance(fn := init.__globals__.get(name), types.FunctionType) and _SIGNS & _names(fn.__code__)
+        }
+        if functions:
+            for attribute, name in _stored_globals(init).items():
+                copy = _function_copy(functions[name]) if name in functions else None
+                if copy is not None:
+                    _HELD[cls][attribute] = (functions[name], copy)
+    return _HELD[cls]
+
+
+def _stored_globals(init: types.FunctionType) -> dict[str, str]:
+    """{attribute: global name} for each `self.attribute = NAME` of `init` (its only binding there)."""
+    try:
+        fn_def, _ = function_source(init)
+    except (NotAdaptable, OSError, TypeError, SyntaxError):
+        return {}
+    if not fn_def.args.args:
+        return {}
+    this = fn_def.args.args[0].arg
+    stored: dict[str, list] = {}
+    for node in walk_function(fn_def):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == this:
+                    stored.setdefault(target.attr, []).append(node.value)
+    return {a: v[0].id for a, v in stored.items() if len(v) == 1 and isinstance(v[0], ast.Name)}
+
+
+_FUNCTION_DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
+
+
+def _function_copy(fn: types.FunctionType) -> types.FunctionType | None:
+    """The traced copy of a module function with an expert loop, or None (the reason is logged)."""
+
+    def decide():
+        fn_def, filename, plan = analyse(fn)
+        if not plan.changes_anything():
+            raise NotAdaptable("nothing to adapt")
+        return rewrite(fn, fn_def, filename, plan)
+
+    decided(_FUNCTION_DECISIONS, fn, f"{fn.__module__}.{fn.__qualname__}", decide, "expert loop")
+    decision = _FUNCTION_DECISIONS[fn]
+    return decision if isinstance(decision, types.FunctionType) else None
+
+
 def traceable_forward_of(cls: type) -> types.FunctionType | None:
     """The copy of `cls.forward` to trace under hpu_moe, or None."""
     return adaptations_of(cls).get("forward")
 
 
-def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType | None:
+def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.FunctionType | None:
     key = (cls, name)
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
@@ -1356,6 +1506,9 @@ def _decide(cls: type, name: str, fn: types.FunctionType) -> types.FunctionType 
             raise NotAdaptable(f"{name} is wrapped by a decorator")
         target = inner or fn
         fn_def, filename, plan = analyse(target)
+        this = _instance_name(fn_def)
+        called = {_held_call(node, this) for node in walk_function(fn_def)}
+        plan = dataclasses.replace(plan, held={a: pair for a, pair in held.items() if a in called})
         if plan.kept_guards:
             _KEPT_GUARDS[key] = [f"{where}: {reason}" for reason in plan.kept_guards]
         if not plan.changes_anything():

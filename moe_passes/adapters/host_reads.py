@@ -284,7 +284,9 @@ def cut_to_capacity(rows, capacity):
     """`rows[:capacity]`. For a count (an int >= 0) it is spelled `narrow(0, 0, min(len, capacity))`:
     the same rows, and a length dynamo before torch 2.11 can trace when `rows` has a data-dependent
     length (slicing there guards on which of the two is smaller, and raises)."""
-    if isinstance(capacity, int) and capacity >= 0:  # not a SymInt: `>= 0` would guard on an unbacked one
+    # a Python int only (`>= 0` of a SymInt could guard on an unbacked one), a tensor only (`len(rows)` may
+    # measure a list)
+    if isinstance(rows, torch.Tensor) and type(capacity) is int and capacity >= 0:
         return rows.narrow(0, 0, torch.sym_min(rows.shape[0], capacity))
     return rows[:capacity]
 

@@ -20,6 +20,7 @@ used only while hpu_moe traces, like every adapter.
 from __future__ import annotations
 
 import ast
+import builtins
 import types
 
 import torch
@@ -40,10 +41,13 @@ _HELPERS = "__moe_passes_one_hot_helpers"
 _DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
 
 
-def one_hot_cut(ids: torch.Tensor, width: int) -> torch.Tensor:
+def one_hot_cut(ids: torch.Tensor, width, as_written):
     """`one_hot(ids, W)[..., :width]` for any W >= width: int64 one-hot rows of `width`, zeros for the ids
-    at or past it."""
-    return (ids.unsqueeze(-1) == torch.arange(width, device=ids.device)).long()
+    at or past it. A width that is not an int >= 0 (a negative cut keeps all but the last columns of
+    the W) is computed `as_written` (a thunk of the original expression)."""
+    if isinstance(width, int) and not isinstance(width, bool) and width >= 0:
+        return (ids.unsqueeze(-1) == torch.arange(width, device=ids.device)).long()
+    return as_written()
 
 
 def sizes_one_hot_on_host(callee) -> bool:
@@ -64,7 +68,7 @@ def traced_copy(fn: types.FunctionType) -> types.FunctionType | None:
 
     def decide():
         fn_def, filename = function_source(fn)
-        new_def = _CutOneHots(fn_def).visit(fn_def)
+        new_def = _CutOneHots(fn_def, fn.__globals__).visit(fn_def)
         new_def.decorator_list = []
         helpers = types.SimpleNamespace(one_hot_cut=one_hot_cut)
         return compile_with_helpers(fn, new_def, filename, _HELPERS, helpers)
@@ -92,39 +96,63 @@ def _width_cut(node: ast.AST) -> tuple[ast.Call, ast.expr] | None:
     return call, cut.upper
 
 
-def _at_least(width: ast.expr, bound: ast.expr) -> bool:
-    """`width` is `max(..., bound, ...)` (the builtin: at least `bound`)."""
-    return (isinstance(width, ast.Call) and isinstance(width.func, ast.Name) and width.func.id == "max"
-            and not width.keywords and len(width.args) >= 2 and any(ast.dump(a) == ast.dump(bound) for a in width.args))
+def _resolve(expr: ast.AST, namespace: dict):
+    """The object a dotted name (`F.one_hot`, `torch.nn.functional.one_hot`) stands for in `namespace`."""
+    if isinstance(expr, ast.Name):
+        return namespace.get(expr.id, getattr(builtins, expr.id, None))
+    if isinstance(expr, ast.Attribute):
+        return getattr(_resolve(expr.value, namespace), expr.attr, None)
+    return None
 
 
 class _CutOneHots(ast.NodeTransformer):
-    """`one_hot(i, W)[..., :n]` -> `one_hot_cut(i, n)` where W >= n is shown; raises NotAdaptable when
-    none is."""
+    """`one_hot(i, W)[..., :n]` -> `one_hot_cut(i, n, lambda: <as written>)` where W >= n is shown;
+    raises NotAdaptable when none is.
 
-    def __init__(self, fn_def: ast.FunctionDef):
+    W >= n is shown when W is the builtin `max(..., n, ...)`, inline or in a name bound once in the
+    body (not a parameter) and read only there, with no name `n` reads bound anywhere in the body
+    (so `n` has one value throughout); `one_hot` must be torch's and `max` the builtin."""
+
+    def __init__(self, fn_def: ast.FunctionDef, namespace: dict):
         self.assigned = bindings(fn_def)
+        arguments = fn_def.args
+        self.parameters = {a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                                           *filter(None, (arguments.vararg, arguments.kwarg)))}
         self.reads = [n.id for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+        self.namespace = namespace
+        self.builtin_max = "max" not in self.assigned and "max" not in self.parameters and (
+            namespace.get("max", builtins.max) is builtins.max)
         self.dropped: set[int] = set()  # ids of the width bindings read only by a rewritten cut
-        cuts = 0
-        for node in walk_function(fn_def):
-            found = _width_cut(node)
-            if found is None:
-                continue
-            (_, width), bound = found[0].args, found[1]
-            if _at_least(width, bound):
-                cuts += 1
-            elif isinstance(width, ast.Name) and self._bound_once_to_max(width.id, bound):
-                self.dropped.add(id(self.assigned[width.id][0]))
-                cuts += 1
-        if not cuts:
+        if not any(self._shown(node) for node in walk_function(fn_def)):
             raise NotAdaptable("no one-hot cut to a width it is shown to reach (`one_hot(i, max(.., n))[..., :n]`)")
+
+    def _shown(self, node: ast.AST) -> bool:
+        """`node` is a cut one-hot whose width is shown to reach the cut (and notes a width binding to drop)."""
+        found = _width_cut(node)
+        if found is None or _resolve(found[0].func, self.namespace) is not torch.nn.functional.one_hot:
+            return False
+        (_, width), bound = found[0].args, found[1]
+        if not self.builtin_max or loads(bound) & set(self.assigned):
+            return False
+        if self._at_least(width, bound):
+            return True
+        if isinstance(width, ast.Name) and self._bound_once_to_max(width.id, bound):
+            self.dropped.add(id(self.assigned[width.id][0]))
+            return True
+        return False
+
+    @staticmethod
+    def _at_least(width: ast.expr, bound: ast.expr) -> bool:
+        """`width` is `max(..., bound, ...)` (the builtin, checked by the caller: at least `bound`)."""
+        return (isinstance(width, ast.Call) and isinstance(width.func, ast.Name) and width.func.id == "max"
+                and not width.keywords and len(width.args) >= 2
+                and any(ast.dump(a) == ast.dump(bound) for a in width.args))
 
     def _bound_once_to_max(self, name: str, bound: ast.expr) -> bool:
         bound_by = self.assigned.get(name, [])
-        return (len(bound_by) == 1 and isinstance(bound_by[0], ast.Assign) and len(bound_by[0].targets) == 1
-                and isinstance(bound_by[0].targets[0], ast.Name) and _at_least(bound_by[0].value, bound)
-                and self.reads.count(name) == 1 and not loads(bound) & {name})
+        return (name not in self.parameters and len(bound_by) == 1 and isinstance(bound_by[0], ast.Assign)
+                and len(bound_by[0].targets) == 1 and isinstance(bound_by[0].targets[0], ast.Name)
+                and self._at_least(bound_by[0].value, bound) and self.reads.count(name) == 1)
 
     def visit_Assign(self, node: ast.Assign):
         if id(node) in self.dropped:
@@ -133,11 +161,14 @@ class _CutOneHots(ast.NodeTransformer):
 
     def visit_Subscript(self, node: ast.Subscript):
         node = self.generic_visit(node)
-        found = _width_cut(node)
-        if found is None:
+        if not self._shown(node):
             return node
-        (ids, width), bound = found[0].args, found[1]
-        if not (_at_least(width, bound) or (isinstance(width, ast.Name) and self._bound_once_to_max(width.id, bound))):
-            return node
+        call, bound = _width_cut(node)
+        ids, width = call.args
+        if isinstance(width, ast.Name) and width.id not in self.parameters and self.reads.count(width.id) == 1:
+            # its binding is dropped: the thunk recomputes it as written
+            width = self.assigned[width.id][0].value
+            node = ast.Subscript(ast.Call(call.func, [ids, width], []), node.slice, ast.Load())
+        thunk = ast.Lambda(ast.arguments([], [], None, [], [], None, []), node)
         helper = ast.Attribute(ast.Name(_HELPERS, ast.Load()), "one_hot_cut", ast.Load())
-        return ast.copy_location(ast.Call(helper, [ids, bound], []), node)
+        return ast.copy_location(ast.Call(helper, [ids, bound, thunk], []), node)

@@ -88,8 +88,8 @@ def _at_least(end: object, size: object) -> bool:
     to capacity C narrows to, is, where both are: proved one by one, as sympy does not prove a Min."""
     if is_call(end, torch.sym_min):
         return all(_at_least(bound, size) for bound in end.args)
-    if is_call(end, operator.add) and 0 in end.args:
-        return _at_least(next(a for a in end.args if not (isinstance(a, int) and a == 0)), size)
+    if is_call(end, operator.add) and len(end.args) == 2 and 0 in end.args:
+        return _at_least(end.args[1] if end.args[0] == 0 else end.args[0], size)
     value = end.meta.get("val") if isinstance(end, Node) else end
     return size is not None and isinstance(value, int | torch.SymInt) and statically_known_true(value >= size)
 

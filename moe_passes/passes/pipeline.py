@@ -179,7 +179,8 @@ def _ids_reason(match: ExpertsMatch, info: RoutingInfo, ids: ExpertIds | None) -
 def _unheld_choices_weigh_nothing(match: ExpertsMatch, ids: ExpertIds) -> bool:
     """Every router choice whose id falls outside the held experts has a weight of zero (`weights *
     mine`): the region clamps such an id onto a held expert and scales that slot by zero, the kernel
-    skips it; both add nothing."""
+    skips it; both add nothing while the expert's output and the weight are finite (strict mode declines
+    it: 0 * inf is NaN)."""
     if ids.by_choice is None:
         return False
     unheld = {g for g, v in enumerate(ids.by_choice) if not match.experts_min <= v <= match.experts_max}
@@ -224,12 +225,18 @@ def rounding_needed(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
     )
 
 
-def _not_exact(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
+def _not_exact(match: ExpertsMatch, region: frozenset[Node], ids: ExpertIds | None) -> str | None:
     """Strict mode: why the fused call could give another result than the layer as written, or None."""
     if any(f.reads_every_expert for f in FINDERS if f.name == match.form):
         return (
             "strict: the layer as written runs every expert on every token, so a NaN or inf in an expert no "
             "token is routed to reaches its output; the fused kernel reads only the routed experts"
+        )
+    if match.sentinels and ids is not None and (ids.low < match.experts_min or ids.high > match.experts_max):
+        return (
+            "strict: the layer as written runs a held expert for the slots of experts it does not hold and "
+            "scales them by a zero weight, so a NaN or inf there reaches its output (0 * inf); the fused "
+            "kernel skips those slots"
         )
     return rounding_needed(match, region)
 
@@ -332,7 +339,7 @@ def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -
         region = frozenset(region_of(result))
         info = routing.describe(result.ids, result.weights, result.weights_at_ids)
         ids = read_expert_ids(result.ids)
-        reason = check(result, region, info, ids) or (_not_exact(result, region) if strict else None)
+        reason = check(result, region, info, ids) or (_not_exact(result, region, ids) if strict else None)
         if reason is not None:
             found.rejected.append(Rejected(_layer_of(result), result.form, reason, result.output))
             continue

@@ -15,6 +15,7 @@ import operator
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 
 from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, dtype, is_call, is_cast, is_getitem
@@ -199,15 +200,28 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
     return env
 
 
-# Sizes read off probed tensors and integer arithmetic on them (a cut's `min(len(rows), C)`): exact on
-# concrete probes. Allowed only where they yield a number, so no tensor op enters by this door.
-_SIZE_ARITHMETIC = frozenset({
-    aten.sym_size.int, operator.add, operator.sub, operator.mul, operator.floordiv, torch.sym_min, torch.sym_max,
-})
+# Sizes read off probed tensors and integer arithmetic on them: exact on concrete probes. Allowed only
+# where they yield a number, so no tensor op enters by this door; a min or max only where the shape
+# environment proves which argument it picks (a cut's `min(len(rows), C)` with C >= every len), since a
+# min that could pick either is a capacity, which random probes rarely reach.
+_SIZE_ARITHMETIC = frozenset({aten.sym_size.int, operator.add, operator.sub, operator.mul, operator.floordiv})
 
 
 def _size_arithmetic(node: Node) -> bool:
-    return node.target in _SIZE_ARITHMETIC and isinstance(node.meta.get("val"), int | torch.SymInt)
+    if not isinstance(node.meta.get("val"), int | torch.SymInt):
+        return False
+    if node.target in (torch.sym_min, torch.sym_max):
+        return _picks_statically(node)
+    return node.target in _SIZE_ARITHMETIC
+
+
+def _picks_statically(node: Node) -> bool:
+    """The min (max) of `node` is proved to be one given argument: it is <= (>=) every other."""
+    values = [a.meta.get("val") if isinstance(a, Node) else a for a in node.args]
+    if not all(isinstance(v, int | torch.SymInt) for v in values):
+        return False
+    picked = (lambda v, other: other >= v) if node.target is torch.sym_min else (lambda v, other: other <= v)
+    return any(all(statically_known_true(picked(v, other)) for other in values) for v in values)
 
 
 def slice_between(outputs: Node | list[Node], inputs: set[Node]) -> list[Node]:
