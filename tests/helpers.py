@@ -162,3 +162,16 @@ def skip_unless_dynamo_slices_for(name: str) -> None:
     cut = _DATA_DEPENDENT_SLICES.get(name)
     if cut is not None and not _dynamo_captures_one_graph(cut, torch.ones(4, 2), torch.tensor([1, 3])):
         pytest.skip(f"torch {torch.__version__}'s dynamo breaks the graph at {name}'s data-dependent slice")
+
+
+class SwiGLU(torch.nn.Module):
+    """One expert as hand-written MoE code writes it: gate and up `nn.Linear`s, SiLU, a down `nn.Linear`."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, inter, bias=False)
+        self.up = torch.nn.Linear(hidden, inter, bias=False)
+        self.down = torch.nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))

@@ -9,10 +9,9 @@ words than Skywork's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import eager_output, run_hpu_moe
+from tests.helpers import SwiGLU, eager_output, run_hpu_moe
 
 E, H, INTER, K = 4, 16, 8, 2
 
@@ -43,21 +42,11 @@ class Router(nn.Module):
         return self.assign(self.proj(x), K)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up = nn.Linear(H, INTER, bias=False), nn.Linear(H, INTER, bias=False)
-        self.down = nn.Linear(INTER, H, bias=False)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class HeldRoutingMoE(nn.Module):
     def __init__(self):
         super().__init__()
         self.router = Router()
-        self.experts = nn.ModuleList(SwiGLU() for _ in range(E))
+        self.experts = nn.ModuleList(SwiGLU(H, INTER) for _ in range(E))
 
     def forward(self, x):
         out = torch.zeros_like(x)

@@ -20,19 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import backward_like_eager, eager_output, run_hpu_moe
+from tests.helpers import SwiGLU, backward_like_eager, eager_output, run_hpu_moe
 
 E, H, INTER = 4, 16, 8
-
-
-class SwiGLU(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up = nn.Linear(H, INTER, bias=False), nn.Linear(H, INTER, bias=False)
-        self.down = nn.Linear(INTER, H, bias=False)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Routed(nn.Module):
@@ -41,7 +31,7 @@ class Routed(nn.Module):
     def __init__(self):
         super().__init__()
         self.router = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList(SwiGLU() for _ in range(E))
+        self.experts = nn.ModuleList(SwiGLU(H, INTER) for _ in range(E))
 
 
 class SwitchTop1(Routed):

@@ -1462,9 +1462,9 @@ def _stored_globals(init: types.FunctionType) -> dict[str, str]:
         fn_def, _ = function_source(init)
     except (NotAdaptable, OSError, TypeError, SyntaxError):
         return {}
-    if not fn_def.args.args:
+    this = _instance_name(fn_def)
+    if this is None:
         return {}
-    this = fn_def.args.args[0].arg
     stored: dict[str, list] = {}
     for node in walk_function(fn_def):
         if isinstance(node, ast.Assign):
