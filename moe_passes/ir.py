@@ -84,17 +84,19 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
 
 @contextlib.contextmanager
 def _data_dependent_shapes_allowed(shape_env):
-    """The frame's ShapeEnv accepting ops with data-dependent output shapes while the captured graph is
-    traced again. Dynamo put such an op (`nonzero` of an expert loop) in the graph only where they were
-    allowed at that point of its trace; the expert-loop adapter allows them around its loop alone, so the
-    setting may be off again by the time the backend runs."""
+    """The frame's ShapeEnv accepting ops with data-dependent output shapes, and tensor values read as
+    numbers, while the captured graph is traced again. Dynamo put such an op (`nonzero` of an expert
+    loop, `.item()` of a count) in the graph only where it was allowed at that point of its trace; the
+    expert-loop adapter allows them after the frame's ShapeEnv was made (and shapes around its loop
+    alone), so the ShapeEnv may not allow them by the time the backend runs."""
     settings = getattr(shape_env, "settings", None)
-    if settings is None or not dataclasses.is_dataclass(settings) or getattr(
-        settings, "allow_dynamic_output_shape_ops", True
+    wanted = ("allow_dynamic_output_shape_ops", "allow_scalar_outputs")
+    if settings is None or not dataclasses.is_dataclass(settings) or all(
+        getattr(settings, name, True) for name in wanted
     ):
         yield
         return
-    shape_env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
+    shape_env.settings = dataclasses.replace(settings, **{name: True for name in wanted if hasattr(settings, name)})
     try:
         yield
     finally:

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import types
 
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
+    bindings,
     call_name,
     defining_bindings,
+    function_source,
     loads,
     span,
     stored_names,
@@ -89,13 +92,46 @@ def tolist_of(expr: ast.AST) -> str | None:
     return receiver.id if isinstance(receiver, ast.Name) else None
 
 
-def reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict) -> bool:
+def counts_returned(fn, fn_def: ast.FunctionDef, assignments: dict) -> frozenset[str]:
+    """Names bound to per-expert counts returned by a module function: `a, sizes = route(x)` where every
+    `return` of `route` gives counts at that place (JetMoE's TorchScript `compute_gating`, read through
+    its Python function). A name bound anywhere else as well is not one."""
+    found = set()
+    for node in walk_function(fn_def):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)):
+            continue
+        callee = getattr(fn, "__globals__", {}).get(node.value.func.id)
+        callee = getattr(callee, "_torchdynamo_inline", callee)  # a ScriptFunction's Python function
+        places = _count_places(callee, len(node.targets[0].elts)) if isinstance(callee, types.FunctionType) else ()
+        for place in places:
+            element = node.targets[0].elts[place]
+            if isinstance(element, ast.Name) and assignments.get(element.id) == [node]:
+                found.add(element.id)
+    return frozenset(found)
+
+
+def _count_places(callee: types.FunctionType, width: int) -> tuple[int, ...]:
+    """The places of a `width`-tuple at which every `return` of `callee` gives per-expert counts."""
+    try:
+        callee_def, _ = function_source(callee)
+    except NotAdaptable:
+        return ()
+    returns = [n for n in walk_function(callee_def) if isinstance(n, ast.Return)]
+    if not returns or not all(isinstance(r.value, ast.Tuple) and len(r.value.elts) == width for r in returns):
+        return ()
+    bound = bindings(callee_def)
+    return tuple(place for place in range(width) if all(is_count(r.value.elts[place], bound) for r in returns))
+
+
+def reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict, returned: frozenset[str] = frozenset()) -> bool:
     """Per-expert counts become Python numbers here: `counts.tolist()` (GraniteMoE's and JetMoE's split
     sizes), a loop over the counts (DeepSeek-V2's slice bounds), or the counts handed to a submodule
-    (`self.experts(rows, counts)`, Aria's cumsum offsets). Dynamo can keep such numbers symbolic
-    (unbacked) instead of breaking the graph there."""
+    (`self.experts(rows, counts)`, Aria's cumsum offsets); `returned` names counts a module function
+    returned (`counts_returned`). Dynamo can keep such numbers symbolic (unbacked) instead of breaking
+    the graph there."""
     def count(expr) -> bool:
-        return isinstance(expr, ast.Name) and is_count(expr, assignments)
+        return isinstance(expr, ast.Name) and (expr.id in returned or is_count(expr, assignments))
 
     for node in walk_function(fn_def):
         receiver = tolist_of(node)

@@ -60,6 +60,7 @@ from .count_loops import (
     CountLoop,
     FixedCounts,
     count_loop,
+    counts_returned,
     offset_loop,
     reads_counts_as_numbers,
     split_counts,
@@ -67,6 +68,7 @@ from .count_loops import (
 from .host_reads import (
     CutToCapacity,
     ListIndex,
+    NewTensorOfList,
     ReplaceListIndices,
     capacity_cut,
     capacity_cuts,
@@ -77,6 +79,7 @@ from .host_reads import (
     list_indices,
     split_pieces,
     splits_by_host_sizes,
+    tensor_like,
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
@@ -694,8 +697,9 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         indexed = _indexed_containers(node, node.target.id)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
     calls = adapted_calls(fn)  # cuts at offsets: their bounds are read as numbers
-    scalars = (bool(calls) or bool(count_loops) or bool(pieces) or reads_counts_as_numbers(fn_def, assignments)
-               or splits_by_host_sizes(fn_def, assignments))
+    returned = counts_returned(fn, fn_def, assignments)
+    scalars = (bool(calls) or bool(count_loops) or bool(pieces) or splits_by_host_sizes(fn_def, assignments)
+               or reads_counts_as_numbers(fn_def, assignments, returned))
     comprehended = [n for n in walk_function(fn_def) if isinstance(n, ast.ListComp | ast.GeneratorExp)
                     and _selects_tokens(_as_loop(n), boolean)]
     if comprehended:  # `[eq(routes, i).nonzero() for i in range(E)]`: the shapes are captured as in a loop
@@ -1125,6 +1129,7 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     new_def = _Rewrite(plan, _instance_name(fn_def)).visit(ReplaceListIndices(list(plan.list_indices)).visit(fn_def))
     if plan.cuts:
         new_def = CutToCapacity(f"{_HELPERS}.cut_to_capacity").visit(new_def)
+    new_def = NewTensorOfList(f"{_HELPERS}.tensor_like").visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
     prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()", f"{_HELPERS}.capture_scalar_outputs()"] if (
@@ -1295,6 +1300,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         index_value=index_value,
         cut=cut,
         cut_to_capacity=cut_to_capacity,
+        tensor_like=tensor_like,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,
         stop_capturing_dynamic_output_shapes=_stop_capturing_dynamic_output_shapes,

@@ -32,6 +32,12 @@ as it does without `hpu_moe`.
   and `split` checks at run time that they add up to the split dim, so the pieces and everything after
   them are the same as eager's. The copy traced for `hpu_moe` switches that setting on for the compile;
   a branch on a size later still breaks the graph there, as it would at the host read by default.
+
+- **sizes read on the host gathered into a tensor** (labml's switch, for its load statistics):
+      counts = x.new_tensor([len(rows[i]) for i in range(E)])
+  `Tensor.new_tensor(data)` and `torch.tensor(data, dtype=x.dtype, device=x.device)` build the same tensor
+  from the same Python list (one C++ path, `internal_new_from_data`); dynamo before torch 2.11 traces
+  the second with data-dependent lengths in the list and raises on the first. The copy spells it so.
 """
 
 from __future__ import annotations
@@ -291,6 +297,29 @@ def cut_to_capacity(rows, capacity):
     return rows[:capacity]
 
 
+class NewTensorOfList(ast.NodeTransformer):
+    """`X.new_tensor(<list or tuple display, or comprehension>)` -> `make(X, <list>)`, where `make` is
+    `tensor_like` (no other arguments: dtype, device and grad flag are X's defaults)."""
+
+    def __init__(self, make: str):
+        self.make = ast.parse(make, mode="eval").body
+
+    def visit_Call(self, node: ast.Call):
+        node = self.generic_visit(node)
+        if not (call_name(node) == "new_tensor" and isinstance(node.func, ast.Attribute) and len(node.args) == 1
+                and not node.keywords and isinstance(node.args[0], ast.List | ast.Tuple | ast.ListComp)):
+            return node
+        return ast.copy_location(ast.Call(self.make, [node.func.value, node.args[0]], []), node)
+
+
+def tensor_like(like, data):
+    """`like.new_tensor(data)`, spelled `torch.tensor(data, dtype=like.dtype, device=like.device)` for a
+    tensor (the same tensor; the spelling dynamo before torch 2.11 traces with data-dependent sizes)."""
+    if isinstance(like, torch.Tensor):
+        return torch.tensor(data, dtype=like.dtype, device=like.device)
+    return like.new_tensor(data)
+
+
 def capacity_cuts(tree: ast.AST) -> tuple[int, ...]:
     """Lines of the capacity cuts in `tree` (`CutToCapacity` rewrites them; exact wherever they are)."""
     return tuple(sorted({node.lineno for node in ast.walk(tree) if capacity_cut(node) is not None}))
@@ -375,5 +404,5 @@ def _split_source(expr: ast.AST, assignments: dict, line: int) -> str | None:
     return ast.unparse(sizes[0])
 
 
-__all__ = ["CutToCapacity", "cut_to_capacity", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
+__all__ = ["CutToCapacity", "cut_to_capacity", "NewTensorOfList", "tensor_like", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
            "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable", "SplitPieces", "split_pieces"]

@@ -1,0 +1,133 @@
+"""Per-expert counts read on the host away from the expert loop, written as other authors would.
+
+- Counts returned by a TorchScript routing function, read with `.tolist()` in a router method and handed
+  to the experts as split sizes (JetMoE's original `MoE`; the corpus entry `jetmoe_original` mirrors it).
+- Sizes gathered into a tensor with `x.new_tensor([...])` for load statistics (labml's switch), which
+  dynamo before torch 2.11 refuses with data-dependent sizes and the traced copy spells as `torch.tensor`.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_passes.adapters.count_loops import counts_returned
+from moe_passes.adapters.host_reads import NewTensorOfList, tensor_like
+from moe_passes.adapters.source_ast import bindings
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+
+
+@torch.jit.script
+def route(k: int, num_experts: int, weights: torch.Tensor, ids: torch.Tensor):
+    table = torch.zeros([weights.size(0), num_experts], dtype=weights.dtype, device=weights.device)
+    sizes = table.scatter(1, ids, 1).long().sum(0)
+    _, order = ids.flatten().sort(0)
+    return weights.flatten()[order], order.div(k, rounding_mode="trunc"), sizes
+
+
+@torch.jit.script
+def route_by_bincount(k: int, num_experts: int, weights: torch.Tensor, ids: torch.Tensor):
+    _, order = ids.flatten().sort(0)
+    return weights.flatten()[order], order.div(k, rounding_mode="trunc"), torch.bincount(ids.flatten())
+
+
+class StackedLinears(nn.Module):
+    def __init__(self, experts: int, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, outputs, inputs) / inputs**0.5)
+
+    def forward(self, rows, sizes):
+        return torch.cat([F.linear(piece, self.weight[i]) for i, piece in enumerate(rows.split(sizes, dim=0))])
+
+
+class HandedCountsMoE(nn.Module):
+    def __init__(self, hidden=16, inter=8, experts=6, k=2):
+        super().__init__()
+        self.k, self.experts = k, experts
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.up = StackedLinears(experts, hidden, 2 * inter)
+        self.down = StackedLinears(experts, inter, hidden)
+
+    def gate(self, x):
+        weights, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        self.slot_weights, self.rows_of, sizes = route(self.k, self.experts, weights, ids)
+        self.sizes = sizes.tolist()
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        self.gate(x)
+        gate, up = self.up(x[self.rows_of], self.sizes).chunk(2, dim=-1)
+        out = self.down(F.silu(gate) * up, self.sizes) * self.slot_weights[:, None]
+        return torch.zeros_like(x).index_add(0, self.rows_of, out).view(shape)
+
+
+class BincountSizesMoE(HandedCountsMoE):
+    """The sizes are a bincount: their number depends on the data, so no host list of them is captured."""
+
+    def gate(self, x):
+        weights, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        self.slot_weights, self.rows_of, sizes = route_by_bincount(self.k, self.experts, weights, ids)
+        self.sizes = sizes.tolist()
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return (torch.randn(2, 5, 16),)
+
+
+def test_counts_a_scripted_router_returns_are_split_sizes_fused_and_equal():
+    model = HandedCountsMoE().eval()
+    inputs = _inputs()
+    with torch.no_grad():
+        report, output, recorder = run_hpu_moe(model, inputs)
+        expected = eager_output(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, expected)
+    assert not torch._dynamo.config.capture_scalar_outputs  # on for the hpu_moe compile only
+
+
+def test_bincount_sizes_are_not_taken_for_counts():
+    model = BincountSizesMoE().eval()
+    inputs = _inputs()
+    with torch.no_grad():
+        report, output, _ = run_hpu_moe(model, inputs)
+        expected = eager_output(model, inputs)
+    assert report.graph_break_count > 0 and not report.fused, str(report)
+    assert_close_for_dtype(output, expected)
+
+
+def test_a_returned_count_bound_again_is_not_one():
+    source = (
+        "def gate(self, x):\n"
+        "    a, b, sizes = route(1, 4, x, x)\n"
+        "    sizes = sizes + 1\n"
+        "    c, d, kept = route(1, 4, x, x)\n"
+    )
+    fn_def = ast.parse(source).body[0]
+
+    def gate(self, x):  # the globals the names resolve in
+        return route(1, 4, x, x)
+
+    assert counts_returned(gate, fn_def, bindings(fn_def)) == {"kept"}
+
+
+def test_new_tensor_of_a_list_becomes_tensor_like_and_keeps_dtype_and_device():
+    tree = ast.parse("c = x.new_tensor([len(r) for r in rows])\nd = x.new_tensor([1, 2], dtype=torch.int8)\n")
+    rewritten = ast.unparse(NewTensorOfList("helpers.tensor_like").visit(tree))
+    assert rewritten.splitlines() == [
+        "c = helpers.tensor_like(x, [len(r) for r in rows])",
+        "d = x.new_tensor([1, 2], dtype=torch.int8)",
+    ]
+    like = torch.zeros(3, dtype=torch.float16)
+    for data in ([3, 0, 2], [1.5, 2.0], ()):
+        expected = like.new_tensor(data)
+        made = tensor_like(like, data)
+        assert (made.dtype, made.device, made.requires_grad) == (expected.dtype, expected.device, False)
+        assert torch.equal(made, expected)
