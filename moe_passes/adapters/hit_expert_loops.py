@@ -67,6 +67,7 @@ from .count_loops import (
 )
 from .host_reads import (
     CutToCapacity,
+    CutToCount,
     ListIndex,
     NewTensorOfList,
     ReplaceListIndices,
@@ -74,12 +75,14 @@ from .host_reads import (
     capacity_cuts,
     check_length_reads,
     cut_to_capacity,
+    cut_to_count,
     data_length_names,
     link_parents,
     list_indices,
     split_pieces,
     splits_by_host_sizes,
     tensor_like,
+    true_counts,
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
@@ -1130,6 +1133,7 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     if plan.cuts:
         new_def = CutToCapacity(f"{_HELPERS}.cut_to_capacity").visit(new_def)
     new_def = NewTensorOfList(f"{_HELPERS}.tensor_like").visit(new_def)
+    new_def = CutToCount(f"{_HELPERS}.cut_to_count", true_counts(fn_def, bindings(fn_def))).visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
     prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()", f"{_HELPERS}.capture_scalar_outputs()"] if (
@@ -1300,6 +1304,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         index_value=index_value,
         cut=cut,
         cut_to_capacity=cut_to_capacity,
+        cut_to_count=cut_to_count,
         tensor_like=tensor_like,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,

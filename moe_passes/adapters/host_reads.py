@@ -38,6 +38,13 @@ as it does without `hpu_moe`.
   `Tensor.new_tensor(data)` and `torch.tensor(data, dtype=x.dtype, device=x.device)` build the same tensor
   from the same Python list (one C++ path, `internal_new_from_data`); dynamo before torch 2.11 traces
   the second with data-dependent lengths in the list and raises on the first. The copy spells it so.
+- **a prefix cut at a count of true elements read on the host** (LongCat-Flash's deterministic MoE):
+      kept = (flat_ids < routed).sum().item()
+      rows = order[:kept]
+  A sum of booleans is at least 0, and for a count n >= 0 `X[:n]` is `X.narrow(0, 0, min(len(X), n))`.
+  Dynamo before torch 2.11 guards on the sign of the unbacked count in the slice, and raises; it traces
+  the narrow once told the sign. The copy states it (`torch._check(n >= 0)`, true by construction) and
+  narrows.
 """
 
 from __future__ import annotations
@@ -320,6 +327,65 @@ def tensor_like(like, data):
     return like.new_tensor(data)
 
 
+def true_counts(fn_def: ast.FunctionDef, assignments: dict) -> frozenset[str]:
+    """Names bound once to a count of true elements read on the host: `(a < b).sum().item()` or
+    `int((a < b).sum())`, the operand boolean by construction (comparisons, `&`, `|`, `^`, `~`, `.bool()`)."""
+    found = set()
+    for name, bound in assignments.items():
+        if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
+            continue
+        if isinstance(bound[0].targets[0], ast.Name) and _counts_true(bound[0].value):
+            found.add(name)
+    return frozenset(found)
+
+
+def _counts_true(expr: ast.AST) -> bool:
+    if call_name(expr) == "item" and isinstance(expr.func, ast.Attribute) and not expr.args:
+        total = expr.func.value
+    elif call_name(expr) == "int" and isinstance(expr.func, ast.Name) and len(expr.args) == 1:
+        total = expr.args[0]
+    else:
+        return False
+    if call_name(total) != "sum" or not isinstance(total.func, ast.Attribute) or total.args or total.keywords:
+        return False
+    return _boolean_by_construction(total.func.value)
+
+
+def _boolean_by_construction(expr: ast.AST) -> bool:
+    if isinstance(expr, ast.Compare):
+        return True
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr | ast.BitXor):
+        return _boolean_by_construction(expr.left) and _boolean_by_construction(expr.right)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
+        return _boolean_by_construction(expr.operand)
+    return call_name(expr) == "bool" and isinstance(expr.func, ast.Attribute) and not expr.args
+
+
+class CutToCount(ast.NodeTransformer):
+    """`X[:n]`, n one of `counts` (`true_counts`) -> `cut(X, n)`, where `cut` is `cut_to_count`."""
+
+    def __init__(self, cut: str, counts: frozenset[str]):
+        self.cut, self.counts = ast.parse(cut, mode="eval").body, counts
+
+    def visit_Subscript(self, node: ast.Subscript):
+        node = self.generic_visit(node)
+        bounds = node.slice
+        if not (isinstance(node.ctx, ast.Load) and isinstance(bounds, ast.Slice) and bounds.lower is None
+                and bounds.step is None and isinstance(bounds.upper, ast.Name) and bounds.upper.id in self.counts):
+            return node
+        return ast.copy_location(ast.Call(self.cut, [node.value, bounds.upper], []), node)
+
+
+def cut_to_count(rows, count):
+    """`rows[:count]` for a count of true elements (>= 0 by construction), spelled `narrow(0, 0,
+    min(len, count))` for a tensor: the same rows, and a cut dynamo before torch 2.11 can trace at an
+    unbacked count once `count >= 0` is stated."""
+    if isinstance(rows, torch.Tensor) and rows.dim() >= 1 and isinstance(count, (int, torch.SymInt)):
+        torch._check(count >= 0)
+        return rows.narrow(0, 0, torch.sym_min(rows.shape[0], count))
+    return rows[:count]
+
+
 def capacity_cuts(tree: ast.AST) -> tuple[int, ...]:
     """Lines of the capacity cuts in `tree` (`CutToCapacity` rewrites them; exact wherever they are)."""
     return tuple(sorted({node.lineno for node in ast.walk(tree) if capacity_cut(node) is not None}))
@@ -404,5 +470,5 @@ def _split_source(expr: ast.AST, assignments: dict, line: int) -> str | None:
     return ast.unparse(sizes[0])
 
 
-__all__ = ["CutToCapacity", "cut_to_capacity", "NewTensorOfList", "tensor_like", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
+__all__ = ["CutToCapacity", "cut_to_capacity", "CutToCount", "cut_to_count", "true_counts", "NewTensorOfList", "tensor_like", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
            "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable", "SplitPieces", "split_pieces"]

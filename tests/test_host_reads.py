@@ -4,6 +4,8 @@
   to the experts as split sizes (JetMoE's original `MoE`; the corpus entry `jetmoe_original` mirrors it).
 - Sizes gathered into a tensor with `x.new_tensor([...])` for load statistics (labml's switch), which
   dynamo before torch 2.11 refuses with data-dependent sizes and the traced copy spells as `torch.tensor`.
+- A prefix cut at a count of true elements, `order[:(ids < E).sum().item()]` (LongCat-Flash's
+  deterministic MoE), which dynamo before torch 2.11 refuses and the copy spells as a narrow.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_passes.adapters.count_loops import counts_returned
-from moe_passes.adapters.host_reads import NewTensorOfList, tensor_like
+from moe_passes.adapters.host_reads import CutToCount, NewTensorOfList, cut_to_count, tensor_like, true_counts
 from moe_passes.adapters.source_ast import bindings
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
@@ -131,3 +133,32 @@ def test_new_tensor_of_a_list_becomes_tensor_like_and_keeps_dtype_and_device():
         made = tensor_like(like, data)
         assert (made.dtype, made.device, made.requires_grad) == (expected.dtype, expected.device, False)
         assert torch.equal(made, expected)
+
+
+def test_prefix_cut_at_a_count_of_true_elements_becomes_a_narrow():
+    source = (
+        "def f(order, ids, k):\n"
+        "    n = (ids < 4).sum().item()\n"
+        "    m = int(((ids >= 0) & ~(ids == 2)).sum())\n"
+        "    total = ids.sum().item()\n"
+        "    return order[:n], order[:m], order[:total], order[:k]\n"
+    )
+    fn_def = ast.parse(source).body[0]
+    counts = true_counts(fn_def, bindings(fn_def))
+    assert counts == {"n", "m"}  # a sum of ids may be negative; k is not read on the host here
+    rewritten = ast.unparse(CutToCount("helpers.cut", counts).visit(fn_def)).splitlines()[-1]
+    assert rewritten == "    return (helpers.cut(order, n), helpers.cut(order, m), order[:total], order[:k])"
+
+    order = torch.arange(6).flip(0)
+    for count in (0, 3, 6, 9):
+        assert torch.equal(cut_to_count(order, count), order[:count])
+
+    def kept(order, ids):
+        return cut_to_count(order, (ids < 3).sum().item()) * 2
+
+    ids = torch.tensor([0, 4, 1, 2, 5, 3])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(kept, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(order, ids), order[:3] * 2)
+        assert torch.equal(compiled(order, ids.clamp(max=2)), order * 2)
