@@ -98,6 +98,7 @@ from .source_ast import (
     span,
     stored_names,
     strip_methods,
+    viewed_name,
     walk_function,
 )
 
@@ -123,6 +124,13 @@ class HitLoop:
     # (container source, dim) of each `X[var]` / `X[.., var, ..]` in the body: rows beyond a container's
     # length are not visited (the original raises IndexError if such a row is ever hit).
     indexed: tuple[tuple[str, int], ...] = ()
+    # `alias = int(var.item())` as the body's first statement: the expert's Python number, which the
+    # body indexes and branches with (the rewrite binds it to the loop index)
+    alias: str | None = None
+    # (test, taken when the test is true, container source, dim) for each container indexed with the
+    # alias inside an `if <test of alias>:` arm: a row for which that arm indexes past the container's
+    # end is one the original loop could only visit by raising, and the rewritten loop skips it.
+    branch_indexed: tuple[tuple[str, bool, str, int], ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,8 +138,11 @@ class HitLoop:
 
 
 def _nonzero_operand(value: ast.AST) -> ast.AST | None:
-    """C when `value` is `C.nonzero()` or `torch.nonzero(C)` (index rows, not the as_tuple form)."""
-    if call_name(value) != "nonzero" or value.keywords:
+    """C when `value` is `C.nonzero()` or `torch.nonzero(C)` (index rows, not the as_tuple form; an
+    explicit `as_tuple=False` is the default)."""
+    if call_name(value) != "nonzero" or not all(
+        k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value is False for k in value.keywords
+    ):
         return None
     if isinstance(value.func, ast.Attribute) and not value.args:
         base = value.func.value
@@ -268,6 +279,44 @@ def _emptiness_guard(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
     return _size_of_rows(test, rows)
 
 
+# In-place adds into an existing tensor at an index: with an empty index they touch nothing.
+_SCATTERS_IN_PLACE = {"scatter_add_", "index_add_", "index_copy_"}
+_FILLED_LIKE = {"ones_like", "zeros_like", "full_like", "empty_like"}
+
+
+def _scatter_guards(fn_def: ast.FunctionDef, assignments: dict) -> list[int]:
+    """Lines of `if R.numel() > 0:` guards (any spelling `_emptiness_guard` reads) whose body only adds
+    in place at an index that is R seen elementwise (`counts.scatter_add_(0, R.long(), ones_like(R))`,
+    LongCat-Flash's count of the kept slots). For an empty R the index is empty and the adds touch
+    nothing: the body is a no-op there, so running it unconditionally computes the same. The values
+    added must be R seen elementwise or a `*_like` of it: empty with it, and nothing that can raise."""
+    named = {name: 0 for name in assignments}
+    found = []
+    for node in walk_function(fn_def):
+        if _emptiness_guard(node, named) is None:
+            continue
+        test = node.test.left if isinstance(node.test, ast.Compare) else node.test
+        subject = test.func.value if call_name(test) == "numel" else test.args[0] if call_name(test) == "len" else test.value.value
+        if all(_adds_at(stmt, subject.id) for stmt in node.body):
+            found.append(node.lineno)
+    return found
+
+
+def _adds_at(stmt: ast.stmt, rows: str) -> bool:
+    """`T.scatter_add_(dim, <rows elementwise>, <values>)` (or index_add_ / index_copy_) as a statement."""
+    if not (isinstance(stmt, ast.Expr) and call_name(stmt.value) in _SCATTERS_IN_PLACE):
+        return False
+    call = stmt.value
+    if not isinstance(call.func, ast.Attribute) or not isinstance(call.func.value, ast.Name) or call.keywords:
+        return False
+    if len(call.args) != 3 or not isinstance(call.args[0], ast.Constant):
+        return False
+    index, values = call.args[1], call.args[2]
+    if call_name(values) in _FILLED_LIKE and values.args:  # ones_like(R, dtype=...): R's shape, filled
+        values = values.args[0]
+    return viewed_name(index) == rows and viewed_name(values) == rows
+
+
 def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     """For `r.numel()`, `len(r)` or `r.shape[0]` with r in `rows`: the line that bound r, else None."""
     if call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
@@ -287,8 +336,9 @@ def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     return rows.get(subject.id) if isinstance(subject, ast.Name) else None
 
 
-def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
-    """(source, dim) of every container the body indexes with the loop variable.
+def _indexed_containers(loop: ast.For, var: str, branches: bool = True) -> tuple[tuple[str, int], ...]:
+    """(source, dim) of every container the body indexes with the loop variable (`branches` False:
+    outside the arms of `if <test of var>:` branches, which `_branch_indexed` reads).
 
     A row the original loop never visits (not hit) may be out of range for such a container (DBRX and
     the 5.x `eager` experts keep an extra one-hot class for expert-parallel sentinels); the rewritten
@@ -297,7 +347,9 @@ def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
     """
     bound = {n for stmt in loop.body for t in ast.walk(stmt) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) for n in [t.id]}
     found = []
-    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+    statements = loop.body if branches else [
+        stmt for stmt in loop.body if not _branches_on_index(stmt, var, bound)]
+    for node in (n for stmt in statements for n in ast.walk(stmt)):
         if not isinstance(node, ast.Subscript) or node.value is None:
             continue
         if isinstance(node.value, ast.Name) and node.value.id == var:
@@ -345,17 +397,60 @@ def _unwraps_element(stmt: ast.stmt, var: str) -> bool:
     )
 
 
+def _element_alias(stmt: ast.stmt, var: str) -> str | None:
+    """A for `A = int(var.item())` (or `var.item()`, `int(var)`, `int(var[0])`, `var[0].item()`): the
+    expert's number under a new name, read from the [1]-shaped row of `nonzero`."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    value = stmt.value
+    if call_name(value) == "int" and isinstance(value.func, ast.Name) and len(value.args) == 1:
+        value = value.args[0]
+    if call_name(value) == "item" and isinstance(value.func, ast.Attribute) and not value.args:
+        value = value.func.value
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 0:
+        value = value.value
+    alias = stmt.targets[0].id
+    return alias if isinstance(value, ast.Name) and value.id == var and alias != var and value is not stmt.value else None
+
+
+def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
+    """`test` reads `var` and otherwise only values fixed before the loop (names not bound in the body,
+    attributes, constants; no calls): the same for a row whatever the data."""
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    if any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == var for n in ast.walk(test)):
+        return False  # `var.attr` differs between the row and its Python index
+    allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
+               ast.unaryop, ast.expr_context)
+    return var in names and not (names - {var}) & bound and all(isinstance(n, allowed) for n in ast.walk(test))
+
+
+def _branches_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
+    """`if <test of var>: ... else: ...` that is not a skip (LongCat-Flash's `if expert_idx >=
+    num_routed: identity else: MLP`): which arm runs is fixed for a row."""
+    return isinstance(stmt, ast.If) and _index_test(stmt.test, var, bound) and not (
+        not stmt.orelse and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Continue))
+
+
+def _branch_indexed(loop: ast.For, alias: str) -> tuple[tuple[str, bool, str, int], ...]:
+    """(test, arm, container, dim) for each container indexed with `alias` in an arm of an index branch."""
+    bound = {n.id for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    found = []
+    for stmt in loop.body[1:]:
+        if not _branches_on_index(stmt, alias, bound):
+            continue
+        for arm, statements in ((True, stmt.body), (False, stmt.orelse)):
+            shell = ast.For(target=loop.target, iter=loop.iter, body=statements, orelse=[])
+            for source, dim in _indexed_containers(shell, alias, branches=False):
+                found.append((ast.unparse(stmt.test), arm, source, dim))
+    return tuple(dict.fromkeys(found))
+
+
 def _skips_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
     """`if <test>: continue` whose test reads the loop variable and otherwise only values fixed before
     the loop (names not bound in the body, attributes, constants; no calls)."""
     if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
         return False
-    names = {n.id for n in ast.walk(stmt.test) if isinstance(n, ast.Name)}
-    if any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == var for n in ast.walk(stmt.test)):
-        return False  # `var.attr` differs between the row and its Python index
-    allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
-               ast.unaryop, ast.expr_context)
-    return var in names and not (names - {var}) & bound and all(isinstance(n, allowed) for n in ast.walk(stmt.test))
+    return _index_test(stmt.test, var, bound)
 
 
 def _skips_on_count(stmt: ast.stmt, var: str) -> str | None:
@@ -435,9 +530,12 @@ def _check_body(
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     skips: list[int] = []
+    loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     body = loop.body
     if mask is not None and body and _unwraps_element(body[0], var):
         body = body[1:]
+    elif mask is not None and body and (alias := _element_alias(body[0], var)) is not None:
+        body, var = body[1:], alias  # the body reads the expert's number under the alias
 
     def visit(statements):
         for stmt in statements:
@@ -469,6 +567,9 @@ def _check_body(
                 guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
             elif mask is not None and _skips_on_index(stmt, var, bound):
                 skips.append(stmt.lineno)
+            elif mask is not None and var not in loop_names and _branches_on_index(stmt, var, bound):
+                visit(stmt.body)  # an alias's branch: one arm runs for a row, fixed by its number
+                visit(stmt.orelse)
             elif (counts := _skips_on_count(stmt, var)) is not None:
                 count_guards.append((stmt.lineno, counts))
             else:
@@ -697,8 +798,15 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         mask, dims = _hit_test_mask(operand, assignments)
         removable, skips = _check_body(node, node.target.id, mask, fn_def)
         guards.extend(removable)
-        indexed = _indexed_containers(node, node.target.id)
-        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed))
+        alias = _element_alias(node.body[0], node.target.id) if node.body else None
+        if alias is None:
+            indexed, branch_indexed = _indexed_containers(node, node.target.id), ()
+        else:
+            rest = ast.For(target=node.target, iter=node.iter, body=node.body[1:], orelse=[])
+            indexed = _indexed_containers(rest, alias, branches=False)
+            branch_indexed = _branch_indexed(node, alias)
+        loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed, alias,
+                             branch_indexed))
     calls = adapted_calls(fn)  # cuts at offsets: their bounds are read as numbers
     returned = counts_returned(fn, fn_def, assignments)
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or splits_by_host_sizes(fn_def, assignments)
@@ -710,6 +818,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         selecting.extend(n.lineno for n in comprehended)
     cuts = tuple(line for node in walk_function(fn_def) if isinstance(node, ast.For) and _selects_tokens(node, boolean)
                  for line in capacity_cuts(node))
+    if loops or guards or captures or scalars or count_loops:  # a method adapted anyway: its no-op guards go too
+        guards.extend(line for line in _scatter_guards(fn_def, assignments) if line not in guards)
     plan = Plan(
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**adapted_one_hot_calls(fn), **calls},
         tuple(lists), tuple(selecting),
@@ -1023,9 +1133,23 @@ class _Rewrite(ast.NodeTransformer):
         if loop is None:
             return self.generic_visit(node)
         index = f"{_INDEX}_{loop.var}"
+        every_row = f"{_ALL}_{loop.hit}"
         visited = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
-        body = [_Subscripts(loop.var, index, f"{_ALL}_{loop.hit}").visit(stmt) for stmt in visited]
+        body = [_Subscripts(loop.var, index, every_row).visit(stmt) for stmt in visited]
         body = [_IndexTests(loop, index).visit(stmt) for stmt in body]
+        if loop.alias is not None:  # `A = int(var.item())` -> the loop index, when rows are 0..n-1
+            first = body[0]
+            first.value = ast.copy_location(ast.IfExp(ast.Name(every_row, ast.Load()), ast.Name(index, ast.Load()),
+                                                      first.value), first.value)
+            past_end = " or ".join(
+                f"(({'' if arm else 'not '}({test})) and {loop.alias} >= {_HELPERS}.length_of({source}, {dim}))"
+                for test, arm, source, dim in loop.branch_indexed)
+            if past_end:  # rows whose arm indexes past a container's end: the original never visits them
+                skip = ast.parse(f"if {every_row} and ({past_end}):\n    continue").body[0]
+                for part in ast.walk(skip):
+                    if isinstance(part, ast.expr | ast.stmt):
+                        ast.copy_location(part, first)
+                body = [first, skip, *body[1:]]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
         sized = ", ".join(f"({source}, {dim})" for source, dim in loop.indexed)
         target = ast.Name(index, ast.Store())
@@ -1185,6 +1309,11 @@ def pick(container, row: torch.Tensor, index: int, every_row: bool):
     return container[row]
 
 
+def length_of(container, dim: int) -> int:
+    """How many rows `container[i]` (a module list, or a tensor along `dim`) can take."""
+    return len(container) if isinstance(container, torch.nn.Module) else container.shape[dim]
+
+
 def index_value(row: torch.Tensor, index: int, every_row: bool):
     """The Python int equal to the row's one value when rows are 0..n-1 (a static test), else the row."""
     return index if every_row else row
@@ -1305,6 +1434,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         cut=cut,
         cut_to_capacity=cut_to_capacity,
         cut_to_count=cut_to_count,
+        length_of=length_of,
         tensor_like=tensor_like,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,

@@ -283,6 +283,9 @@ def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows
     by = algebra.index(gather_parts(sorted_rows)[1])
     rows = algebra.hidden_rows(sorted_rows)
     if not isinstance(by, IndexMap) or not (rows is None or algebra.expert_ordered(rows)):
+        cut = _cut_of_the_sort(gather_parts(sorted_rows)[1], algebra)
+        if cut is not None:
+            return NoMatch(SORT_CUT, cut)
         return NoMatch("the rows are not ordered by sorting the flat expert ids (nor by the expert-major cells of their one-hot table)", sorted_rows)
     if rows is None:
         return NoMatch("the sorted rows are not the tokens of the sorted slots (x[perm // k])", sorted_rows)
@@ -293,6 +296,30 @@ def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows
     if (combine.domain, combine.slot) != (rows.domain, rows.slot):
         return NoMatch("the expert outputs are not brought back to the tokens their rows were read from", combine.output)
     return algebra, rows, combine
+
+
+SORT_CUT = (
+    "the sorted slots are cut before the rows are gathered (`order[:n]`, as LongCat-Flash keeps the slots of "
+    "ids below its routed count): slots past the cut are not computed, and the fused kernel computes every slot"
+)
+
+
+def _cut_of_the_sort(index: object, algebra: SlotAlgebra, depth: int = 8) -> Node | None:
+    """The slice or narrow of the ids' ascending sort order that `index` reads (through casts, views and
+    the `// k` that makes slots tokens), else None. (A cut of a sort of one-hot cells is read by the
+    algebra itself: Megatron keeps the true cells.)"""
+    node, cut = index, None
+    for _ in range(depth):
+        if not isinstance(node, Node):
+            return None
+        if is_call(node, aten.slice.Tensor, aten.narrow.default):
+            cut = node
+        order = algebra.index(node) if is_getitem(node, 1) or is_call(
+            node, aten.argsort.default, aten.argsort.stable) else None
+        if isinstance(order, IndexMap) and order.steps and order.steps[0].kind == "perm":
+            return cut  # the ids sorted ascending (the algebra reads nothing else as a "perm")
+        node = node.args[0] if node.args else None
+    return None
 
 
 UNPERMUTED_WEIGHTS = "routing weights are not permuted like the rows"

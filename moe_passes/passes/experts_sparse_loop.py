@@ -215,6 +215,8 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, end, at)
 
+    links = _before_trailing_non_mlps(links)
+    end = links[-1]
     terms: list[ExpertTerm] = []
     for link in links:
         _, dim, index, source, writes = link_parts(link)
@@ -255,6 +257,21 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
         root, weight = scaled
         terms = [dataclasses.replace(t, coefficient=weight, coefficient_by_token=True) for t in terms]
     return match_terms(root, terms, FORM)
+
+
+def _before_trailing_non_mlps(links: list[Node]) -> list[Node]:
+    """The links up to the last gated MLP when every link after it adds something else (LongCat-Flash's
+    zero-computation experts, `x[tok] * w`, after its routed ones), and at least two come before.
+
+    The accumulator after the last MLP link is the sum of those experts' weighted outputs alone, which
+    is what the kernel computes over their range of ids (it skips every other id); the later links then
+    add to it as written. Otherwise the chain as it is (a non-MLP link in the middle is declined)."""
+    mlps = [read_term(parts[3]) is not None if (parts := link_parts(link)) and isinstance(parts[3], Node) else False
+            for link in links]
+    if all(mlps) or True not in mlps:
+        return links
+    last = len(mlps) - 1 - mlps[::-1].index(True)
+    return links[: last + 1] if last >= 1 and all(mlps[: last + 1]) else links
 
 
 def _scaled_after(out: Node) -> tuple[Node, Node] | None:

@@ -1,0 +1,105 @@
+"""Zero-computation (identity) experts after the routed ones, in a hit-expert loop (LongCat-Flash).
+
+The loop reads the expert's number as a Python int (`e = int(row.item())`) and branches on it: the
+identity arm for the experts past the routed ones, a gated MLP of stacked weights otherwise. The routed
+experts' accumulation is fused over their range of ids (the kernel skips the others) and the identity
+experts' adds stay as written. Written here the way such a layer is written, with a router that sends
+some tokens to the identity experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+
+HIDDEN, INTER, ROUTED, ZERO, TOP_K = 16, 8, 4, 2, 2
+
+
+class ZeroExpertMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.routed, self.total = ROUTED, ROUTED + ZERO
+        self.router = nn.Linear(HIDDEN, self.total, bias=True)
+        with torch.no_grad():
+            self.router.bias[-ZERO:] += 0.5  # identity experts are chosen by some tokens
+        self.gate_up = nn.Parameter(torch.randn(self.total, 2 * INTER, HIDDEN) / HIDDEN**0.5)
+        self.down = nn.Parameter(torch.randn(self.routed, HIDDEN, INTER) / INTER**0.5)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.total).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)
+        for row in hit:
+            e = int(row.item())
+            slot, token = torch.where(mask[e].squeeze(0))
+            if token.numel() == 0:
+                continue
+            rows = x[token]
+            if e >= self.routed:
+                y = rows
+            else:
+                gate, up = F.linear(rows, self.gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.view(shape)
+
+
+class IdentityInTheMiddle(ZeroExpertMoE):
+    """Expert 1 is an identity: a non-MLP link between MLP links is declined, never cut around."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, ROUTED)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.routed).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)
+        for row in hit:
+            e = int(row.item())
+            slot, token = torch.where(mask[e].squeeze(0))
+            rows = x[token]
+            if e == 1:
+                y = rows
+            else:
+                gate, up = F.linear(rows, self.gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.view(shape)
+
+
+def _run(model):
+    torch.manual_seed(0)
+    model = model.eval()
+    inputs = (torch.randn(2, 9, HIDDEN),)
+    with torch.no_grad():
+        report, output, _ = run_hpu_moe(model, inputs)
+        ids = model.router(inputs[0].reshape(-1, HIDDEN)).topk(TOP_K, dim=-1).indices
+    return report, output, eager_output(model, inputs), ids
+
+
+def test_routed_experts_fused_over_their_range_identity_experts_kept():
+    torch.manual_seed(0)
+    report, output, expected, ids = _run(ZeroExpertMoE())
+    assert (ids >= ROUTED).any() and (ids < ROUTED).any()  # both kinds are chosen
+    assert (report.graph_count, report.graph_break_count, len(report.fused)) == (1, 0, 1), str(report)
+    fused = report.fused[0]
+    assert (fused.experts_min, fused.num_experts, fused.router_experts) == (0, ROUTED, ROUTED + ZERO)
+    assert_close_for_dtype(output, expected)
+
+
+def test_identity_expert_between_mlps_is_declined_and_equal():
+    torch.manual_seed(0)
+    report, output, expected, _ = _run(IdentityInTheMiddle())
+    assert not report.fused and report.declined, str(report)
+    assert "not a gated MLP" in report.declined[0].reason
+    assert_close_for_dtype(output, expected)
