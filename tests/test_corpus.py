@@ -34,7 +34,7 @@ OUTCOMES = {
     "gpt_oss_torch_reference": "fused",
     "grok1_moe": "declined",
     "hunyuan_large_moe": "fused",
-    "jetmoe_original": "declined",
+    "jetmoe_original": "fused",
     "labml_switch": "fused",
     "llama4_reference_moe": "declined",
     "llama_moe": "declined",
