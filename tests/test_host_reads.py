@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import types
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +120,13 @@ def test_a_returned_count_bound_again_is_not_one():
 
     assert counts_returned(gate, fn_def, bindings(fn_def)) == {"kept"}
 
+    table = {
+        "route": lambda x: (x, x.sum(0)),  # its source line alone does not parse: no counts read
+    }
+    fn_def = ast.parse("def gate(self, x):\n    a, sizes = route(x)\n").body[0]
+    with_lambda = types.FunctionType(gate.__code__, {**gate.__globals__, "route": table["route"]})
+    assert counts_returned(with_lambda, fn_def, bindings(fn_def)) == set()
+
 
 def test_new_tensor_of_a_list_becomes_tensor_like_and_keeps_dtype_and_device():
     tree = ast.parse("c = x.new_tensor([len(r) for r in rows])\nd = x.new_tensor([1, 2], dtype=torch.int8)\n")
@@ -146,6 +154,10 @@ def test_prefix_cut_at_a_count_of_true_elements_becomes_a_narrow():
     fn_def = ast.parse(source).body[0]
     counts = true_counts(fn_def, bindings(fn_def))
     assert counts == {"n", "m"}  # a sum of ids may be negative; k is not read on the host here
+    bound_twice = ast.parse(
+        "def f(order, ids, n=None):\n    if n is None:\n        n = (ids < 4).sum().item()\n    return order[:n]\n"
+    ).body[0]
+    assert true_counts(bound_twice, bindings(bound_twice)) == set()  # also a parameter: any int
     rewritten = ast.unparse(CutToCount("helpers.cut", counts).visit(fn_def)).splitlines()[-1]
     assert rewritten == "    return (helpers.cut(order, n), helpers.cut(order, m), order[:total], order[:k])"
 

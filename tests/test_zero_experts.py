@@ -77,6 +77,55 @@ class IdentityInTheMiddle(ZeroExpertMoE):
         return out.view(shape)
 
 
+class InlineChoice(ZeroExpertMoE):
+    """The arm chosen by a conditional expression; each expert's activation taken from a plain list by
+    its number (a list has no shape: it is measured with len)."""
+
+    def __init__(self):
+        super().__init__()
+        self.activations = [F.silu] * self.total
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.total).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)
+        for row in hit:
+            e = int(row.item())
+            slot, token = torch.where(mask[e].squeeze(0))
+            rows = x[token]
+            gate, up = F.linear(rows, self.gate_up[e]).chunk(2, dim=-1)
+            act = self.activations[e]
+            y = rows if e >= self.routed else F.linear(act(gate) * up, self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.view(shape)
+
+
+class CarriedFlag(ZeroExpertMoE):
+    """The branch reads a flag the previous iteration set: visiting more experts would change it."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.total).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)
+        first = True
+        for row in hit:
+            e = int(row.item())
+            slot, token = torch.where(mask[e].squeeze(0))
+            if e >= 0 and first:
+                y = x[token] * 2.0
+            else:
+                y = x[token]
+            first = False
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.view(shape)
+
+
 def _run(model):
     torch.manual_seed(0)
     model = model.eval()
@@ -102,4 +151,19 @@ def test_identity_expert_between_mlps_is_declined_and_equal():
     report, output, expected, _ = _run(IdentityInTheMiddle())
     assert not report.fused and report.declined, str(report)
     assert "not a gated MLP" in report.declined[0].reason
+    assert_close_for_dtype(output, expected)
+
+
+def test_conditional_expression_and_a_list_indexed_by_number_fused_and_equal():
+    torch.manual_seed(0)
+    report, output, expected, _ = _run(InlineChoice())
+    assert (report.graph_break_count, len(report.fused)) == (0, 1), str(report)
+    assert report.fused[0].num_experts == ROUTED
+    assert_close_for_dtype(output, expected)
+
+
+def test_branch_on_state_carried_between_experts_is_left_as_written():
+    torch.manual_seed(0)
+    report, output, expected, _ = _run(CarriedFlag())
+    assert report.graph_break_count > 0 and not report.fused, str(report)
     assert_close_for_dtype(output, expected)

@@ -115,13 +115,13 @@ def _count_places(callee: types.FunctionType, width: int) -> tuple[int, ...]:
     """The places of a `width`-tuple at which every `return` of `callee` gives per-expert counts."""
     try:
         callee_def, _ = function_source(callee)
-    except NotAdaptable:
+        returns = [n for n in walk_function(callee_def) if isinstance(n, ast.Return)]
+        if not returns or not all(isinstance(r.value, ast.Tuple) and len(r.value.elts) == width for r in returns):
+            return ()
+        bound = bindings(callee_def)
+        return tuple(place for place in range(width) if all(is_count(r.value.elts[place], bound) for r in returns))
+    except Exception:  # noqa: BLE001 - source that cannot be read (a lambda in an expression, ...): no counts
         return ()
-    returns = [n for n in walk_function(callee_def) if isinstance(n, ast.Return)]
-    if not returns or not all(isinstance(r.value, ast.Tuple) and len(r.value.elts) == width for r in returns):
-        return ()
-    bound = bindings(callee_def)
-    return tuple(place for place in range(width) if all(is_count(r.value.elts[place], bound) for r in returns))
 
 
 def reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict, returned: frozenset[str] = frozenset()) -> bool:

@@ -98,7 +98,6 @@ from .source_ast import (
     span,
     stored_names,
     strip_methods,
-    viewed_name,
     walk_function,
 )
 
@@ -127,10 +126,11 @@ class HitLoop:
     # `alias = int(var.item())` as the body's first statement: the expert's Python number, which the
     # body indexes and branches with (the rewrite binds it to the loop index)
     alias: str | None = None
-    # (test, taken when the test is true, container source, dim) for each container indexed with the
-    # alias inside an `if <test of alias>:` arm: a row for which that arm indexes past the container's
-    # end is one the original loop could only visit by raising, and the rewritten loop skips it.
-    branch_indexed: tuple[tuple[str, bool, str, int], ...] = ()
+    # With an alias: (conditions, container source, dim) for each container the body indexes with the
+    # row or the alias, the conditions being the (index test, arm) of the index branches around it. A
+    # row at which the body would index past a container's end (or a key a mapping lacks) is one the
+    # original loop could only visit by raising: the rewritten loop skips it.
+    guarded_indexed: tuple[tuple[tuple[tuple[str, bool], ...], str, int], ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,7 +289,8 @@ def _scatter_guards(fn_def: ast.FunctionDef, assignments: dict) -> list[int]:
     in place at an index that is R seen elementwise (`counts.scatter_add_(0, R.long(), ones_like(R))`,
     LongCat-Flash's count of the kept slots). For an empty R the index is empty and the adds touch
     nothing: the body is a no-op there, so running it unconditionally computes the same. The values
-    added must be R seen elementwise or a `*_like` of it: empty with it, and nothing that can raise."""
+    added must be R seen elementwise or a `*_like` of it with constant arguments: empty with it, and
+    nothing evaluated that can raise."""
     named = {name: 0 for name in assignments}
     found = []
     for node in walk_function(fn_def):
@@ -313,8 +314,32 @@ def _adds_at(stmt: ast.stmt, rows: str) -> bool:
         return False
     index, values = call.args[1], call.args[2]
     if call_name(values) in _FILLED_LIKE and values.args:  # ones_like(R, dtype=...): R's shape, filled
+        if not all(isinstance(a, ast.Constant) for a in values.args[1:]) or not all(
+                _plain_value(k.value) for k in values.keywords):
+            return False
         values = values.args[0]
-    return viewed_name(index) == rows and viewed_name(values) == rows
+    return _elementwise_of(index, rows) and _elementwise_of(values, rows)
+
+
+_ELEMENTWISE = {"long", "int", "float", "bool", "flatten", "contiguous"}
+
+
+def _elementwise_of(expr: ast.AST, rows: str) -> bool:
+    """`expr` is `rows` through casts and flattening views that cannot raise on an empty tensor
+    (`.long()`, `.flatten()`, `.view(-1)`, ...; no other arguments evaluated)."""
+    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and not expr.keywords:
+        flat = expr.func.attr in ("view", "reshape") and len(expr.args) == 1 and ast.unparse(expr.args[0]) == "-1"
+        if not (flat or (expr.func.attr in _ELEMENTWISE and not expr.args)):
+            return False
+        expr = expr.func.value
+    return isinstance(expr, ast.Name) and expr.id == rows
+
+
+def _plain_value(expr: ast.AST) -> bool:
+    """A constant, a name or an attribute chain of names (`torch.long`): reading it cannot raise."""
+    while isinstance(expr, ast.Attribute):
+        expr = expr.value
+    return isinstance(expr, ast.Name | ast.Constant)
 
 
 def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
@@ -336,9 +361,8 @@ def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     return rows.get(subject.id) if isinstance(subject, ast.Name) else None
 
 
-def _indexed_containers(loop: ast.For, var: str, branches: bool = True) -> tuple[tuple[str, int], ...]:
-    """(source, dim) of every container the body indexes with the loop variable (`branches` False:
-    outside the arms of `if <test of var>:` branches, which `_branch_indexed` reads).
+def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
+    """(source, dim) of every container the body indexes with the loop variable.
 
     A row the original loop never visits (not hit) may be out of range for such a container (DBRX and
     the 5.x `eager` experts keep an extra one-hot class for expert-parallel sentinels); the rewritten
@@ -347,9 +371,7 @@ def _indexed_containers(loop: ast.For, var: str, branches: bool = True) -> tuple
     """
     bound = {n for stmt in loop.body for t in ast.walk(stmt) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) for n in [t.id]}
     found = []
-    statements = loop.body if branches else [
-        stmt for stmt in loop.body if not _branches_on_index(stmt, var, bound)]
-    for node in (n for stmt in statements for n in ast.walk(stmt)):
+    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
         if not isinstance(node, ast.Subscript) or node.value is None:
             continue
         if isinstance(node.value, ast.Name) and node.value.id == var:
@@ -402,15 +424,15 @@ def _element_alias(stmt: ast.stmt, var: str) -> str | None:
     expert's number under a new name, read from the [1]-shaped row of `nonzero`."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
-    value = stmt.value
-    if call_name(value) == "int" and isinstance(value.func, ast.Name) and len(value.args) == 1:
-        value = value.args[0]
-    if call_name(value) == "item" and isinstance(value.func, ast.Attribute) and not value.args:
-        value = value.func.value
+    value, as_number = stmt.value, False
+    if call_name(value) == "int" and isinstance(value.func, ast.Name) and len(value.args) == 1 and not value.keywords:
+        value, as_number = value.args[0], True
+    if call_name(value) == "item" and isinstance(value.func, ast.Attribute) and not value.args and not value.keywords:
+        value, as_number = value.func.value, True
     if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 0:
         value = value.value
     alias = stmt.targets[0].id
-    return alias if isinstance(value, ast.Name) and value.id == var and alias != var and value is not stmt.value else None
+    return alias if as_number and isinstance(value, ast.Name) and value.id == var and alias != var else None
 
 
 def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
@@ -431,18 +453,61 @@ def _branches_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
         not stmt.orelse and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Continue))
 
 
-def _branch_indexed(loop: ast.For, alias: str) -> tuple[tuple[str, bool, str, int], ...]:
-    """(test, arm, container, dim) for each container indexed with `alias` in an arm of an index branch."""
-    bound = {n.id for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    found = []
+def _guarded_containers(loop: ast.For, alias: str) -> tuple[tuple[tuple[tuple[str, bool], ...], str, int], ...]:
+    """(conditions, container, dim) for each container the body indexes with the row or `alias`; the
+    conditions are the (test, arm) of the index branches around the subscript (`if`/`elif`/`else`
+    statements and conditional expressions whose test is fixed by the number). A subscript under a
+    conditional expression whose test is not fixed by it cannot be placed: NotAdaptable."""
+    var = loop.target.id
+    stored = {n.id for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    varying = stored - {alias}  # names an index test may not read
+    found: list = []
+
+    def visit(node, conditions):
+        if isinstance(node, ast.If | ast.IfExp) and _index_test(node.test, alias, varying):
+            test = ast.unparse(node.test)
+            arms = (node.body, node.orelse) if isinstance(node, ast.If) else ([node.body], [node.orelse])
+            for arm, statements in zip((True, False), arms, strict=True):
+                for child in statements:
+                    visit(child, (*conditions, (test, arm)))
+            return
+        if isinstance(node, ast.IfExp) and _indexes_with(node, {var, alias}):
+            raise NotAdaptable(f"line {node.lineno}: a container is indexed with the expert's number under a "
+                               "condition the number does not fix")
+        if isinstance(node, ast.Subscript):
+            for source, dim in _subscript_dims(node, {var, alias}, stored, var):
+                found.append((conditions, source, dim))
+        for child in ast.iter_child_nodes(node):
+            visit(child, conditions)
+
     for stmt in loop.body[1:]:
-        if not _branches_on_index(stmt, alias, bound):
-            continue
-        for arm, statements in ((True, stmt.body), (False, stmt.orelse)):
-            shell = ast.For(target=loop.target, iter=loop.iter, body=statements, orelse=[])
-            for source, dim in _indexed_containers(shell, alias, branches=False):
-                found.append((ast.unparse(stmt.test), arm, source, dim))
+        visit(stmt, ())
     return tuple(dict.fromkeys(found))
+
+
+def _indexes_with(node: ast.AST, names: set[str]) -> bool:
+    return any(isinstance(n, ast.Subscript) and any(
+        isinstance(e, ast.Name) and e.id in names
+        for e in (n.slice.elts if isinstance(n.slice, ast.Tuple) else [n.slice])) for n in ast.walk(node))
+
+
+def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str], var: str) -> list[tuple[str, int]]:
+    """(container source, dim) for each place of `node`'s index that is one of `names`."""
+    if isinstance(node.value, ast.Name) and node.value.id in names:
+        return []  # `row[0]`: the element itself
+    elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    found, dim = [], 0
+    for element in elements:
+        if isinstance(element, ast.Constant) and element.value is Ellipsis:
+            if any(isinstance(e, ast.Name) and e.id in names for e in elements):
+                raise NotAdaptable(f"line {node.lineno}: the loop variable indexes past an ellipsis")
+            break
+        if isinstance(element, ast.Constant) and element.value is None:
+            continue
+        if isinstance(element, ast.Name) and element.id in names:
+            found.append((_container_source(node.value, bound, var), dim))
+        dim += 1
+    return found
 
 
 def _skips_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
@@ -673,16 +738,32 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
             continue
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in bound:
             raise NotAdaptable(f"line {node.lineno}: {node.id}, bound in the loop body, is read outside the loop")
-    seen: set[str] = set()
-    for stmt in _flat(loop.body):
-        loads = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+    def read_here(node: ast.AST, seen: set[str], line: int) -> None:
+        loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         carried = (loads & bound) - seen
         if carried:
-            name = sorted(carried)[0]
-            raise NotAdaptable(f"line {stmt.lineno}: {name} is read before the loop body binds it")
-        if isinstance(stmt, ast.Assign | ast.AnnAssign):
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            seen.update(n for t in targets for n in stored_names(t))
+            raise NotAdaptable(f"line {line}: {sorted(carried)[0]} is read before the loop body binds it")
+
+    def check(statements, seen: set[str]) -> set[str]:
+        for stmt in statements:
+            if isinstance(stmt, ast.With):
+                seen = check(stmt.body, seen)
+            elif isinstance(stmt, ast.If):  # a checked guard, skip or index branch: its test reads too
+                read_here(stmt.test, seen, stmt.lineno)
+                after = check(stmt.body, set(seen))
+                # an arm that ends the iteration binds nothing for what follows; the other arm's does
+                ends = bool(stmt.body) and isinstance(stmt.body[-1], ast.Continue)
+                seen = check(stmt.orelse, set(seen)) if ends else (
+                    after & check(stmt.orelse, set(seen)) if stmt.orelse else after)
+            else:
+                read_here(stmt, seen, stmt.lineno)
+                if isinstance(stmt, ast.Assign | ast.AnnAssign):
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                    seen = seen | {n for t in targets for n in stored_names(t)}
+        return seen
+
+    check(loop.body, set())
 
 
 def _other_arms(fn_def: ast.FunctionDef, loop: ast.For) -> set[int]:
@@ -694,14 +775,6 @@ def _other_arms(fn_def: ast.FunctionDef, loop: ast.For) -> set[int]:
                 if any(loop is n for stmt in arm for n in ast.walk(stmt)):
                     found.update(id(n) for stmt in other for n in ast.walk(stmt))
     return found
-
-
-def _flat(statements):
-    for stmt in statements:
-        if isinstance(stmt, ast.With | ast.If):  # an If here is a checked emptiness guard
-            yield from _flat(stmt.body)
-        else:
-            yield stmt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -800,13 +873,11 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         guards.extend(removable)
         alias = _element_alias(node.body[0], node.target.id) if node.body else None
         if alias is None:
-            indexed, branch_indexed = _indexed_containers(node, node.target.id), ()
-        else:
-            rest = ast.For(target=node.target, iter=node.iter, body=node.body[1:], orelse=[])
-            indexed = _indexed_containers(rest, alias, branches=False)
-            branch_indexed = _branch_indexed(node, alias)
+            indexed, guarded = _indexed_containers(node, node.target.id), ()
+        else:  # every container is checked row by row (rows_to_visit bounds nothing)
+            indexed, guarded = (), _guarded_containers(node, alias)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed, alias,
-                             branch_indexed))
+                             guarded))
     calls = adapted_calls(fn)  # cuts at offsets: their bounds are read as numbers
     returned = counts_returned(fn, fn_def, assignments)
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or splits_by_host_sizes(fn_def, assignments)
@@ -1142,9 +1213,10 @@ class _Rewrite(ast.NodeTransformer):
             first.value = ast.copy_location(ast.IfExp(ast.Name(every_row, ast.Load()), ast.Name(index, ast.Load()),
                                                       first.value), first.value)
             past_end = " or ".join(
-                f"(({'' if arm else 'not '}({test})) and {loop.alias} >= {_HELPERS}.length_of({source}, {dim}))"
-                for test, arm, source, dim in loop.branch_indexed)
-            if past_end:  # rows whose arm indexes past a container's end: the original never visits them
+                "(" + " and ".join([*(f"{'' if arm else 'not '}({test})" for test, arm in conditions),
+                                    f"{_HELPERS}.out_of({source}, {dim}, {loop.alias})"]) + ")"
+                for conditions, source, dim in loop.guarded_indexed)
+            if past_end:  # rows at which the body indexes past a container: the original never visits them
                 skip = ast.parse(f"if {every_row} and ({past_end}):\n    continue").body[0]
                 for part in ast.walk(skip):
                     if isinstance(part, ast.expr | ast.stmt):
@@ -1296,7 +1368,8 @@ def rows_to_visit(hit: torch.Tensor, every_row: bool, indexed) -> int:
     rows = hit.shape[0]
     if every_row:
         for container, dim in indexed:
-            rows = min(rows, len(container) if isinstance(container, torch.nn.Module) else container.shape[dim])
+            length = _length(container, dim)
+            rows = rows if length is None else min(rows, length)
     return rows
 
 
@@ -1309,9 +1382,23 @@ def pick(container, row: torch.Tensor, index: int, every_row: bool):
     return container[row]
 
 
-def length_of(container, dim: int) -> int:
-    """How many rows `container[i]` (a module list, or a tensor along `dim`) can take."""
-    return len(container) if isinstance(container, torch.nn.Module) else container.shape[dim]
+def out_of(container, dim: int, value: int) -> bool:
+    """Whether `container[..., value, ...]` (`value` at `dim`) would raise: a key a mapping lacks, or
+    past the end of a module list, a sequence or a tensor's dim (False for anything else: as written)."""
+    if isinstance(container, (dict, torch.nn.ModuleDict, torch.nn.ParameterDict)):  # a tuple: dynamo 2.9
+        return value not in container
+    length = _length(container, dim)
+    return length is not None and value >= length
+
+
+def _length(container, dim: int) -> int | None:
+    if isinstance(container, torch.nn.Module):
+        return len(container)
+    if isinstance(container, torch.Tensor):
+        return container.shape[dim]
+    if isinstance(container, (list, tuple)) and dim == 0:
+        return len(container)
+    return None
 
 
 def index_value(row: torch.Tensor, index: int, every_row: bool):
@@ -1434,7 +1521,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         cut=cut,
         cut_to_capacity=cut_to_capacity,
         cut_to_count=cut_to_count,
-        length_of=length_of,
+        out_of=out_of,
         tensor_like=tensor_like,
         scalar_index=scalar_index,
         capture_dynamic_output_shapes=_capture_dynamic_output_shapes,

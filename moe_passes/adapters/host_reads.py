@@ -334,9 +334,30 @@ def true_counts(fn_def: ast.FunctionDef, assignments: dict) -> frozenset[str]:
     for name, bound in assignments.items():
         if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
             continue
-        if isinstance(bound[0].targets[0], ast.Name) and _counts_true(bound[0].value):
+        if isinstance(bound[0].targets[0], ast.Name) and _counts_true(bound[0].value) and _bound_once(fn_def, name):
             found.add(name)
     return frozenset(found)
+
+
+def _bound_once(fn_def: ast.FunctionDef, name: str) -> bool:
+    """`name` has one binding in the function, nested scopes included: no parameter, comprehension or
+    loop variable, import, `except ... as`, `global`/`nonlocal` or `del` of that name besides it."""
+    stores = 0
+    for node in ast.walk(fn_def):
+        if isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load):
+            stores += 1
+        elif isinstance(node, ast.arg) and node.arg == name:
+            return False
+        elif isinstance(node, ast.Global | ast.Nonlocal) and name in node.names:
+            return False
+        elif isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
+            return False
+        elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name == name:
+            return False
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node is not fn_def and (
+                node.name == name):
+            return False
+    return stores == 1
 
 
 def _counts_true(expr: ast.AST) -> bool:

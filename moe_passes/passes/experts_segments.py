@@ -25,10 +25,12 @@ import dataclasses
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fx_utils import (
     METADATA_ONLY_OPS,
     SHAPE_ONLY_OPS,
+    arguments,
     const_int,
     is_call,
     is_cast,
@@ -312,7 +314,7 @@ def _cut_of_the_sort(index: object, algebra: SlotAlgebra, depth: int = 8) -> Nod
     for _ in range(depth):
         if not isinstance(node, Node):
             return None
-        if is_call(node, aten.slice.Tensor, aten.narrow.default):
+        if is_call(node, aten.slice.Tensor, aten.narrow.default) and not _keeps_every_row(node):
             cut = node
         order = algebra.index(node) if is_getitem(node, 1) or is_call(
             node, aten.argsort.default, aten.argsort.stable) else None
@@ -320,6 +322,19 @@ def _cut_of_the_sort(index: object, algebra: SlotAlgebra, depth: int = 8) -> Nod
             return cut  # the ids sorted ascending (the algebra reads nothing else as a "perm")
         node = node.args[0] if node.args else None
     return None
+
+
+def _keeps_every_row(cut: Node) -> bool:
+    """A slice or narrow along dim 0 from 0 whose end is proved to be at least the length."""
+    args = arguments(cut) or {}
+    size = (shape(args.get("input")) or (None,))[0]
+    if args.get("dim", 0) != 0 or args.get("start", 0) not in (None, 0) or args.get("step", 1) != 1:
+        return False
+    end = args.get("length") if is_call(cut, aten.narrow.default) else args.get("end")
+    value = end.meta.get("val") if isinstance(end, Node) else end
+    if value is None and not is_call(cut, aten.narrow.default):
+        return True
+    return size is not None and isinstance(value, int | torch.SymInt) and statically_known_true(value >= size)
 
 
 UNPERMUTED_WEIGHTS = "routing weights are not permuted like the rows"
