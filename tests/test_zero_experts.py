@@ -167,3 +167,46 @@ def test_branch_on_state_carried_between_experts_is_left_as_written():
     report, output, expected, _ = _run(CarriedFlag())
     assert report.graph_break_count > 0 and not report.fused, str(report)
     assert_close_for_dtype(output, expected)
+
+
+def _doubled_forward(self, x):
+    """ZeroExpertMoE's forward with its output doubled: what a patch of the method might change."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=self.total).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)
+    for row in hit:
+        e = int(row.item())
+        slot, token = torch.where(mask[e].squeeze(0))
+        rows = x[token]
+        if e >= self.routed:
+            y = rows
+        else:
+            gate, up = F.linear(rows, self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e])
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out.view(shape) * 2.0
+
+
+def test_a_method_replaced_after_its_class_was_adapted_is_decided_again():
+    """A patch over a loaded class (LongCat-Next replaces `moe` on the class it finds in the model):
+    the next compile traces the new method, not the copy made of the old one."""
+
+    class Patched(ZeroExpertMoE):
+        moe = getattr(ZeroExpertMoE.forward, "__moe_passes_original__", ZeroExpertMoE.forward)
+
+        def forward(self, x):
+            return self.moe(x)
+
+    torch.manual_seed(0)
+    model = Patched().eval()
+    inputs = (torch.randn(2, 9, HIDDEN),)
+    with torch.no_grad():
+        report, _, _ = run_hpu_moe(model, inputs)
+        assert report.fused, str(report)  # Patched.moe adapted
+        Patched.moe = _doubled_forward
+        torch._dynamo.reset()
+        _, output, _ = run_hpu_moe(model, inputs)
+        assert_close_for_dtype(output, eager_output(model, inputs))

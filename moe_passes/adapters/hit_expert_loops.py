@@ -1534,8 +1534,10 @@ def _helpers_namespace() -> types.SimpleNamespace:
 # ---------------------------------------------------------------------------------------------------
 # Recognition, cached per class
 
-_DECISIONS: dict[tuple[type, str], types.FunctionType | str] = {}
-_KEPT_GUARDS: dict[tuple[type, str], list[str]] = {}  # adapted methods whose count-loop guards stay
+# Keyed by the function as well: a method replaced on the class after a decision (LongCat-Next patches
+# `moe` over a loaded model's class) is decided again, never served the old method's copy.
+_DECISIONS: dict[tuple[type, str, types.FunctionType], types.FunctionType | str] = {}
+_KEPT_GUARDS: dict[tuple[type, str, types.FunctionType], list[str]] = {}  # adapted methods whose guards stay
 # Names a method with an expert loop or per-expert counts calls (a cheap filter before parsing it).
 _SIGNS = {"nonzero", "where", "tolist", "histc", "argsort", "sort"}
 
@@ -1725,7 +1727,7 @@ def traceable_forward_of(cls: type) -> types.FunctionType | None:
 
 
 def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.FunctionType | None:
-    key = (cls, name)
+    key = (cls, name, fn)
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
     def decide():
@@ -1758,12 +1760,11 @@ def declined_at(locations) -> list[str]:
         if line.isdigit():
             wanted.add((os.path.realpath(path), int(line)))
     found = []
-    for (cls, name), decision in _DECISIONS.items():
-        reasons = _KEPT_GUARDS.get((cls, name), [])
+    for key, decision in _DECISIONS.items():
+        reasons = _KEPT_GUARDS.get(key, [])
         if isinstance(decision, str) and decision != "nothing to adapt":
             reasons = [decision, *reasons]
-        code = getattr(cls.__dict__.get(name), "__code__", None)
-        code = getattr(getattr(cls.__dict__.get(name), "__moe_passes_original__", None), "__code__", code)
+        code = getattr(key[2], "__code__", None)
         if not reasons or code is None:
             continue
         path = os.path.realpath(code.co_filename)
@@ -1777,6 +1778,6 @@ def declined_classes() -> dict[str, str]:
     """{"module.Class": reason} for classes whose hit-expert loops were left as written."""
     return {
         f"{cls.__module__}.{cls.__qualname__}": reason
-        for (cls, _name), reason in _DECISIONS.items()
+        for (cls, _name, _fn), reason in _DECISIONS.items()
         if isinstance(reason, str) and reason != "nothing to adapt"
     }
