@@ -9,6 +9,7 @@ some tokens to the identity experts.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -210,3 +211,19 @@ def test_a_method_replaced_after_its_class_was_adapted_is_decided_again():
         torch._dynamo.reset()
         _, output, _ = run_hpu_moe(model, inputs)
         assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_transformers_longcat_flash_every_layer_fused():
+    """transformers' own LongcatFlash (hit-expert loop, `int(row.item())`, identity arm), tiny and random."""
+    from moe_passes import tiny_models
+
+    if "longcat_flash" not in tiny_models.model_types():
+        pytest.skip("this transformers has no LongcatFlash")
+    model = tiny_models.tiny_model("longcat_flash", None)
+    ids = torch.randint(0, tiny_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        report, output, _ = run_hpu_moe(model, (ids,))
+        expected = model(ids).logits
+    assert report.graph_break_count == 0 and len(report.fused) == 2, str(report)
+    assert all(f.num_experts < f.router_experts for f in report.fused)  # routed experts only
+    assert_close_for_dtype(tiny_models.output_tensor(output), expected)
