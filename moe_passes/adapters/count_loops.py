@@ -37,6 +37,7 @@ from .source_ast import (
     defining_bindings,
     function_source,
     loads,
+    number_read,
     span,
     stored_names,
     strip_methods,
@@ -149,13 +150,8 @@ def reads_counts_as_numbers(fn_def: ast.FunctionDef, assignments: dict, returned
 def _largest_count(node: ast.AST, assignments: dict) -> bool:
     """`C.max().item()` or `int(C.max())`, C per-expert counts or a `bincount(...)`: the largest count
     read as a number (a capacity that drops nothing, whose cut the sparse-loop finder checks)."""
-    if call_name(node) == "item" and isinstance(node.func, ast.Attribute) and not node.args:
-        reduced = node.func.value
-    elif call_name(node) == "int" and isinstance(node.func, ast.Name) and len(node.args) == 1:
-        reduced = node.args[0]
-    else:
-        return False
-    if call_name(reduced) not in ("max", "amax") or not isinstance(reduced.func, ast.Attribute) or reduced.args:
+    reduced = number_read(node)
+    if reduced is None or call_name(reduced) not in ("max", "amax") or not isinstance(reduced.func, ast.Attribute) or reduced.args:
         return False
     counts = strip_methods(reduced.func.value, VIEW_METHODS)
     return call_name(counts) == "bincount" or (isinstance(counts, ast.Name) and is_count(counts, assignments))

@@ -95,6 +95,7 @@ from .source_ast import (
     defining_bindings,
     function_source,
     loop_index,
+    number_read,
     span,
     stored_names,
     strip_methods,
@@ -268,6 +269,12 @@ def _skip_when_empty(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
 def _emptiness_guard(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
     """`if rows.numel() > 0:` / `if rows.shape[0] > 0:` / `if len(rows) > 0:` (or `!= 0`, or bare), no
     else: the line of the statement that bound those rows, else None."""
+    name = _emptiness_guarded(stmt)
+    return rows.get(name) if name is not None else None
+
+
+def _emptiness_guarded(stmt: ast.stmt) -> str | None:
+    """The name whose emptiness `stmt` tests, when it is an emptiness guard (`_emptiness_guard`)."""
     if not isinstance(stmt, ast.If) or stmt.orelse:
         return None
     test = stmt.test
@@ -276,7 +283,7 @@ def _emptiness_guard(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
         if not (isinstance(test.ops[0], ast.Gt | ast.NotEq) and isinstance(zero, ast.Constant) and zero.value == 0):
             return None
         test = test.left
-    return _size_of_rows(test, rows)
+    return _sized_name(test)
 
 
 # In-place adds into an existing tensor at an index: with an empty index they touch nothing.
@@ -291,14 +298,10 @@ def _scatter_guards(fn_def: ast.FunctionDef, assignments: dict) -> list[int]:
     nothing: the body is a no-op there, so running it unconditionally computes the same. The values
     added must be R seen elementwise or a `*_like` of it with constant arguments: empty with it, and
     nothing evaluated that can raise."""
-    named = {name: 0 for name in assignments}
     found = []
     for node in walk_function(fn_def):
-        if _emptiness_guard(node, named) is None:
-            continue
-        test = node.test.left if isinstance(node.test, ast.Compare) else node.test
-        subject = test.func.value if call_name(test) == "numel" else test.args[0] if call_name(test) == "len" else test.value.value
-        if all(_adds_at(stmt, subject.id) for stmt in node.body):
+        rows = _emptiness_guarded(node)
+        if rows in assignments and all(_adds_at(stmt, rows) for stmt in node.body):
             found.append(node.lineno)
     return found
 
@@ -344,6 +347,12 @@ def _plain_value(expr: ast.AST) -> bool:
 
 def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     """For `r.numel()`, `len(r)` or `r.shape[0]` with r in `rows`: the line that bound r, else None."""
+    name = _sized_name(test)
+    return rows.get(name) if name is not None else None
+
+
+def _sized_name(test: ast.AST) -> str | None:
+    """r for `r.numel()`, `len(r)` or `r.shape[0]`, r a name; else None."""
     if call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
         subject = test.func.value
     elif call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
@@ -358,7 +367,7 @@ def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
         subject = test.value.value
     else:
         return None
-    return rows.get(subject.id) if isinstance(subject, ast.Name) else None
+    return subject.id if isinstance(subject, ast.Name) else None
 
 
 def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
@@ -370,24 +379,8 @@ def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
     name or attribute chain, possibly viewed, that the body does not bind.
     """
     bound = {n for stmt in loop.body for t in ast.walk(stmt) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) for n in [t.id]}
-    found = []
-    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
-        if not isinstance(node, ast.Subscript) or node.value is None:
-            continue
-        if isinstance(node.value, ast.Name) and node.value.id == var:
-            continue  # `var[0]`: the element itself
-        elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        dim = 0
-        for element in elements:
-            if isinstance(element, ast.Constant) and element.value is Ellipsis:
-                if any(isinstance(e, ast.Name) and e.id == var for e in elements):
-                    raise NotAdaptable(f"line {node.lineno}: the loop variable indexes past an ellipsis")
-                break
-            if isinstance(element, ast.Constant) and element.value is None:
-                continue  # a new axis: no dim of the container
-            if isinstance(element, ast.Name) and element.id == var:
-                found.append((_container_source(node.value, bound, var), dim))
-            dim += 1
+    found = [found for stmt in loop.body for node in ast.walk(stmt) if isinstance(node, ast.Subscript)
+             for found in _subscript_dims(node, {var}, bound, var)]
     return tuple(dict.fromkeys(found))
 
 
@@ -424,15 +417,15 @@ def _element_alias(stmt: ast.stmt, var: str) -> str | None:
     expert's number under a new name, read from the [1]-shaped row of `nonzero`."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
-    value, as_number = stmt.value, False
-    if call_name(value) == "int" and isinstance(value.func, ast.Name) and len(value.args) == 1 and not value.keywords:
-        value, as_number = value.args[0], True
-    if call_name(value) == "item" and isinstance(value.func, ast.Attribute) and not value.args and not value.keywords:
-        value, as_number = value.func.value, True
+    value = number_read(stmt.value)  # int(...) or ....item(), one around the other allowed
+    if value is None:
+        return None
+    if call_name(stmt.value) == "int" and call_name(value) == "item":
+        value = number_read(value)
     if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 0:
         value = value.value
     alias = stmt.targets[0].id
-    return alias if as_number and isinstance(value, ast.Name) and value.id == var and alias != var else None
+    return alias if isinstance(value, ast.Name) and value.id == var and alias != var else None
 
 
 def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
@@ -503,7 +496,7 @@ def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str], var: 
                 raise NotAdaptable(f"line {node.lineno}: the loop variable indexes past an ellipsis")
             break
         if isinstance(element, ast.Constant) and element.value is None:
-            continue
+            continue  # a new axis: no dim of the container
         if isinstance(element, ast.Name) and element.id in names:
             found.append((_container_source(node.value, bound, var), dim))
         dim += 1

@@ -54,7 +54,16 @@ import dataclasses
 
 import torch
 
-from .source_ast import NotAdaptable, call_name, loop_index, span, stored_names, strip_methods, walk_function
+from .source_ast import (
+    NotAdaptable,
+    call_name,
+    loop_index,
+    number_read,
+    span,
+    stored_names,
+    strip_methods,
+    walk_function,
+)
 
 _VIEWS = {"view", "reshape", "flatten", "contiguous", "cpu", "long", "int", "to", "squeeze", "unsqueeze"}
 
@@ -361,13 +370,8 @@ def _bound_once(fn_def: ast.FunctionDef, name: str) -> bool:
 
 
 def _counts_true(expr: ast.AST) -> bool:
-    if call_name(expr) == "item" and isinstance(expr.func, ast.Attribute) and not expr.args:
-        total = expr.func.value
-    elif call_name(expr) == "int" and isinstance(expr.func, ast.Name) and len(expr.args) == 1:
-        total = expr.args[0]
-    else:
-        return False
-    if call_name(total) != "sum" or not isinstance(total.func, ast.Attribute) or total.args or total.keywords:
+    total = number_read(expr)
+    if total is None or call_name(total) != "sum" or not isinstance(total.func, ast.Attribute) or total.args or total.keywords:
         return False
     return _boolean_by_construction(total.func.value)
 

@@ -90,6 +90,15 @@ def call_name(call: ast.AST) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
+def number_read(expr: ast.AST) -> ast.AST | None:
+    """X for `X.item()` or `int(X)`: a tensor's value read on the host as a Python number; else None."""
+    if call_name(expr) == "item" and isinstance(expr.func, ast.Attribute) and not expr.args and not expr.keywords:
+        return expr.func.value
+    if call_name(expr) == "int" and isinstance(expr.func, ast.Name) and len(expr.args) == 1 and not expr.keywords:
+        return expr.args[0]
+    return None
+
+
 def loads(node: ast.AST) -> set[str]:
     """Names read anywhere in `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
