@@ -143,7 +143,9 @@ def _build_report(opts: Options, records, events: _DynamoEvents) -> Report:
         for step, seconds in record.seconds.items():
             report.pass_seconds[step] = round(report.pass_seconds.get(step, 0.0) + seconds, 6)
     break_locations = [b.location for b in report.graph_breaks if b.location]
-    report.advice = advice_for_breaks(report.break_reasons, break_locations) + advice_for_recompiles(report)
+    report.advice = advice_for_breaks(report.break_reasons, break_locations, report.graph_breaks) + advice_for_recompiles(
+        report
+    )
     return report
 
 
@@ -404,19 +406,61 @@ LIMIT_ADVICE = (
 )
 
 
-def advice_for_breaks(break_reasons: list[str], break_locations: list[str] = ()) -> list[str]:
+def advice_for_breaks(
+    break_reasons: list[str], break_locations: list[str] = (), graph_breaks: list[GraphBreak] = ()
+) -> list[str]:
     """What the user can change to remove the graph breaks that stop MoE fusion.
 
-    Expert loops the adapter left as written are named when a break lies in their forward.
+    Code its authors excluded from compilation is named first: hpu_moe honours the exclusion. Expert
+    loops the adapter left as written are named when a break lies in their forward.
     """
-    if any(marker in reason for reason in break_reasons for marker in DATA_DEPENDENT_MARKERS):
+    advice = excluded_code_advice(break_reasons, graph_breaks)
+    causes = [_first_cause(reason) if _DISABLED_CALL.search(_first_cause(reason)) else reason for reason in break_reasons]
+    if any(marker in reason for reason in causes for marker in DATA_DEPENDENT_MARKERS):
         from .adapters.hit_expert_loops import declined_at
 
         left = declined_at(break_locations)
         exchanges = [where for where in break_locations if _exchanges_tokens(where)]
-        advice = [TOKEN_EXCHANGE_ADVICE.format(where=exchanges[0])] if exchanges else []
+        advice += [TOKEN_EXCHANGE_ADVICE.format(where=exchanges[0])] if exchanges else []
         return advice + [DATA_DEPENDENT_ADVICE] + [f"expert loop left as written: {why}" for why in left]
-    return []
+    return advice
+
+
+# dynamo's reason for not tracing into a function wrapped in torch.compiler.disable / torch._dynamo.disable
+_DISABLED_CALL = re.compile(r"<function (?P<name>\S+) at 0x[0-9a-f]+> since it was wrapped with `torch\.(?:compiler|_dynamo)\.disable")
+# dynamo appends the breaks a first break caused (a loop around it skipped) after this line
+_CHAINED_BREAK = "*** While handling this graph break, another graph break occurred"
+
+
+def _first_cause(reason: str) -> str:
+    return reason.split(_CHAINED_BREAK, 1)[0]
+
+
+def excluded_code_advice(break_reasons: list[str], graph_breaks: list[GraphBreak] = ()) -> list[str]:
+    """Functions the graph broke at because their authors wrapped them in `torch.compiler.disable`.
+
+    hpu_moe never traces into such code (the user's explicit word, honoured by every backend), so an MoE
+    computation inside it stays eager and unfused; the chained "graph break in loop" that a loop around
+    the call adds is a consequence, not a data-dependent construct.
+    """
+    names, sites = [], []
+    for reason, where in [(b.reason, b.location) for b in graph_breaks] + [(r, "") for r in break_reasons]:
+        match = _DISABLED_CALL.search(_first_cause(reason))
+        if match is None:
+            continue
+        if match["name"] not in names:
+            names.append(match["name"])
+        if where and where not in sites:
+            sites.append(where)
+    if not names:
+        return []
+    called = f", called at {', '.join(sites)}" if sites else ""
+    return [
+        f"{', '.join(f'`{name}`' for name in names)} {'is' if len(names) == 1 else 'are'} excluded from "
+        f"compilation by its authors (torch.compiler.disable){called}: hpu_moe honours that and does not trace "
+        "into it, so an MoE computation inside it runs eagerly and is not fused. Where the exclusion is not "
+        "needed (a decorator kept for a kernel the model no longer calls), removing it lets hpu_moe see the layer"
+    ]
 
 
 def _exchanges_tokens(location: str, around: int = 12) -> bool:

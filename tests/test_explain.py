@@ -214,3 +214,49 @@ def test_a_layer_keyed_by_its_identity_is_named_in_the_advice():
     assert report.compile_count == 3, str(report)
     (advice,) = [a for a in report.advice if "identity" in a]
     assert re.search(r"\(`layer_id = id\(self\)` at \S*test_explain\.py:\d+\)", advice), advice
+
+
+class ExcludedExperts(torch.nn.Module):
+    """Stacked SwiGLU experts whose per-expert loop its authors excluded from compilation (as OLMo-core's
+    grouped-GEMM fallback is)."""
+
+    def __init__(self, experts=4, hidden=8, inner=6):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.w_gate = torch.nn.Parameter(torch.randn(experts, inner, hidden) / hidden**0.5)
+        self.w_up = torch.nn.Parameter(torch.randn(experts, inner, hidden) / hidden**0.5)
+        self.w_down = torch.nn.Parameter(torch.randn(experts, hidden, inner) / inner**0.5)
+
+    @torch.compiler.disable()
+    def expert_outputs(self, x, ids):
+        return torch.stack([
+            self.w_down[e] @ (torch.nn.functional.silu(self.w_gate[e] @ x[t]) * (self.w_up[e] @ x[t]))
+            for t, e in enumerate(ids.tolist())
+        ])
+
+    def forward(self, x):
+        weights, ids = self.gate(x).softmax(-1).topk(1, dim=-1)
+        return self.expert_outputs(x, ids[:, 0]) * weights
+
+
+class TwoExcludedLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ExcludedExperts() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_code_excluded_from_compilation_is_named_as_the_reason_not_data_dependence():
+    """The break at a `torch.compiler.disable`d function is the cause; the "graph break in loop" dynamo
+    chains to it (the loop over layers is skipped) is not a data-dependent construct."""
+    model, x = TwoExcludedLayers(), torch.randn(5, 8)
+    report = moe_passes.explain(model, x, options={"inner": "eager", "target": "portable"})
+    assert not report.fused and report.graph_break_count, str(report)
+    excluded, *rest = report.advice
+    assert "`ExcludedExperts.expert_outputs` is excluded from compilation by its authors" in excluded, excluded
+    assert re.search(r"called at \S*test_explain\.py:\d+", excluded), excluded
+    assert not any("data-dependent" in advice for advice in rest), report.advice
