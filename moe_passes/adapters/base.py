@@ -107,10 +107,12 @@ def install(cls: type, traceable_forward: Callable, name: str, method: str = "fo
 
 def record_adapted(cls: type, name: str) -> None:
     """Note `cls` as adapted by `name` (also for adapters that hook methods other than forward)."""
-    _ADAPTED[cls] = name
+    known = _ADAPTED.get(cls)
+    _ADAPTED[cls] = name if known is None or name in known.split(" + ") else f"{known} + {name}"
     log.info("adapter %s installed on %s.%s", name, cls.__module__, cls.__qualname__)
 
 
 def adapted_classes() -> dict[str, str]:
-    """{"module.Class": adapter name} for every class adapted in this process."""
+    """{"module.Class": adapter name} for every class adapted in this process (names joined by " + "
+    where several adapters hook methods of one class)."""
     return {f"{cls.__module__}.{cls.__qualname__}": name for cls, name in _ADAPTED.items()}

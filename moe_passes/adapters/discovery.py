@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from . import hit_expert_loops, vllm_style
+from . import device_moves, hit_expert_loops, vllm_style
 from .base import compiling_for_hpu_moe, env_enabled, install
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,11 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
         if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
             continue
-        installed = [
-            install(cls, traced, hit_expert_loops.NAME, method)
-            for method, traced in hit_expert_loops.adaptations_of(cls).items()
+        loops = hit_expert_loops.adaptations_of(cls)
+        installed = [install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()]
+        installed += [
+            install(cls, traced, device_moves.NAME, method)
+            for method, traced in device_moves.adaptations_of(cls, taken=set(loops)).items()
         ]
         if any(installed):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
