@@ -39,7 +39,7 @@ OUTCOMES = {
     "llama4_reference_moe": "declined",
     "llama_moe": "declined",
     "llm_foundry_dmoe": "fused",
-    "longcat_next_deterministic": "declined",
+    "longcat_next_deterministic": "fused",
     "lucidrains_moe": "declined",
     "lucidrains_st_moe": "declined",
     "make_moe": "declined",

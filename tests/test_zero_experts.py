@@ -5,6 +5,10 @@ identity arm for the experts past the routed ones, a gated MLP of stacked weight
 experts' accumulation is fused over their range of ids (the kernel skips the others) and the identity
 experts' adds stay as written. Written here the way such a layer is written, with a router that sends
 some tokens to the identity experts.
+
+The sort-based spelling (LongCat-Next's deterministic MoE) cuts the ids' ascending sort order at the
+number of routed slots, `order[:(ids < R).sum().item()]`, which keeps exactly the slots of experts
+0..R-1; with R expert segments and a zeros buffer to scatter back into, it is fused over that range.
 """
 
 from __future__ import annotations
@@ -227,3 +231,75 @@ def test_transformers_longcat_flash_every_layer_fused():
     assert report.graph_break_count == 0 and len(report.fused) == 2, str(report)
     assert all(f.num_experts < f.router_experts for f in report.fused)  # routed experts only
     assert_close_for_dtype(tiny_models.output_tensor(output), expected)
+
+
+class SortedPrefixMoE(nn.Module):
+    """The routed slots kept by cutting the sort order at their count, split per expert, scattered back
+    into `buffer` in slot order; the identity experts add their share after (LongCat-Next)."""
+
+    def __init__(self, cut_below=ROUTED, buffer=torch.zeros, capacity=None):
+        super().__init__()
+        self.cut_below, self.buffer, self.capacity = cut_below, buffer, capacity
+        self.router = nn.Linear(HIDDEN, ROUTED + ZERO, bias=True)
+        with torch.no_grad():
+            self.router.bias[-ZERO:] += 0.5
+        self.gate = nn.Parameter(torch.randn(ROUTED, INTER, HIDDEN) / HIDDEN**0.5)
+        self.up = nn.Parameter(torch.randn(ROUTED, INTER, HIDDEN) / HIDDEN**0.5)
+        self.down = nn.Parameter(torch.randn(ROUTED, HIDDEN, INTER) / INTER**0.5)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        flat = ids.view(-1)
+        order = torch.argsort(flat, stable=True)
+        routed_slots = (flat < self.cut_below).sum().item()
+        order = order[:routed_slots] if self.capacity is None else order[: self.capacity]
+        counts = torch.zeros(ROUTED, dtype=torch.long).scatter_add_(0, flat[order], torch.ones_like(order))
+        pieces = torch.split(x.index_select(0, order // TOP_K), counts.tolist())
+        outputs = []
+        for e in range(ROUTED):
+            piece = pieces[e]
+            outputs.append((F.silu(piece @ self.gate[e].t()) * (piece @ self.up[e].t())) @ self.down[e].t())
+        slots = self.buffer(flat.shape[0], shape[-1], dtype=x.dtype)
+        slots.index_copy_(0, order, torch.cat(outputs))
+        out = (slots.view(-1, TOP_K, shape[-1]) * weights.unsqueeze(-1)).sum(1)
+        identity = (weights * (ids >= ROUTED).to(weights.dtype)).sum(-1, keepdim=True)
+        return (out + x * identity).view(shape)
+
+
+def test_sort_order_cut_at_the_routed_count_fused_over_the_routed_range():
+    torch.manual_seed(0)
+    model, inputs = SortedPrefixMoE().eval(), (torch.randn(2, 9, HIDDEN),)
+    with torch.no_grad():
+        assert (model.router(inputs[0]).topk(TOP_K, dim=-1).indices >= ROUTED).any()  # identity slots exist
+        report, output, _ = run_hpu_moe(model, inputs)
+        assert len(report.fused) == 1 and report.graph_break_count == 0, str(report)
+        assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize(
+    "variant, reason",
+    [
+        ({"cut_below": ROUTED - 1}, "cut to those of ids below 3, and 4 experts read them"),
+        ({"capacity": 7}, "sorted slots are cut before the rows are gathered"),
+    ],
+    ids=["cut-below-fewer-than-the-experts", "cut-at-a-capacity"],
+)
+def test_other_cuts_of_the_sort_order_are_declined(variant, reason):
+    torch.manual_seed(0)
+    model, inputs = SortedPrefixMoE(**variant).eval(), (torch.randn(2, 9, HIDDEN),)
+    with torch.no_grad():
+        report, output, _ = run_hpu_moe(model, inputs)
+        assert not report.fused and reason in report.declined[0].reason, str(report)
+        assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_cut_scattered_back_into_an_uninitialised_buffer_is_not_fused():
+    """The slots past the cut keep what the buffer held: from `torch.empty` that is not zero, and the
+    kernel, which adds nothing for them, would differ. (Eager's output is then undefined: not compared.)"""
+    torch.manual_seed(0)
+    model, inputs = SortedPrefixMoE(buffer=torch.empty).eval(), (torch.randn(2, 9, HIDDEN),)
+    with torch.no_grad():
+        report, _, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and report.declined, str(report)

@@ -155,9 +155,11 @@ def _segment(node: Node) -> Segment | None:
     return None
 
 
-def _segments_are_runs(segments: list[tuple[int, Segment]], ids: Node, experts: int) -> NoMatch | None:
-    """None when, on probe routings, segment e is exactly the run of sorted slots routed to expert e;
-    else why not (where: the caller's join).
+def _segments_are_runs(
+    segments: list[tuple[int, Segment]], ids: Node, experts: int, width: int | None = None
+) -> NoMatch | None:
+    """None when, on probe routings (ids drawn from `width` experts, default `experts`), segment e is
+    exactly the run of sorted slots routed to expert e; else why not (where: the caller's join).
 
     The bounds (split sizes, slice starts and ends: `.tolist()` / `.item()` reads of counts, running
     sums, cumsum offsets, however they are spelled) are evaluated from the ids; the runs follow from
@@ -169,7 +171,7 @@ def _segments_are_runs(segments: list[tuple[int, Segment]], ids: Node, experts: 
     if any(n.op in ("placeholder", "get_attr") for n in nodes):
         return NoMatch("the segment bounds are not computed from the routing ids the rows are sorted by")
     try:
-        for probe_ids, _ in probe.routing_probes(tokens, top_k, experts, torch.float32):
+        for probe_ids, _ in probe.routing_probes(tokens, top_k, width or experts, torch.float32):
             env = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)}, probe.OFFSET_OPS)
             ends = torch.bincount(probe_ids.view(-1), minlength=experts).cumsum(0).tolist()
             for e, segment in segments:
@@ -264,15 +266,35 @@ def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
     if isinstance(read, NoMatch):
         return read.decline(FORM, path[-1])
     algebra, rows, combine = read
+    routed = algebra.routed_below
+    if routed is not None and routed != len(terms):
+        return no(f"the sorted slots are cut to those of ids below {routed}, and {len(terms)} experts read them", join.node)
     weights = _routing_weights(join, combine, terms, algebra, segments)
     if isinstance(weights, NoMatch):
         return weights.decline(FORM, path[-1])
-    not_runs = _segments_are_runs(segments, algebra.ids, len(terms))
+    not_runs = _segments_are_runs(segments, algebra.ids, len(terms), _probed_width(algebra))
     if not_runs is not None:
         return not_runs.decline(FORM, path[-1], join.node)
     output = through_trailing_cast(combine.output)
     matched = _match(output, terms, rows.hidden, algebra.ids, weights, algebra.top_k)
-    return matched.decline(FORM, path[-1]) if isinstance(matched, NoMatch) else matched
+    if isinstance(matched, NoMatch):
+        return matched.decline(FORM, path[-1])
+    # Cut to the routed slots, the layer adds nothing for an id >= E, as the kernel skips it.
+    return matched if routed is None else dataclasses.replace(matched, sentinels="dropped")
+
+
+def _probed_width(algebra: SlotAlgebra) -> int | None:
+    """How many experts the probe routings draw ids from where the sort order is cut to the routed
+    slots: the router's width (a top-k over [T, W] scores), or k more than the experts, so that the
+    probes hold ids the cut leaves out."""
+    if algebra.routed_below is None:
+        return None
+    source = strip_casts(algebra.ids)
+    if is_getitem(source, 1) and is_call(source.args[0], aten.topk.default):
+        width = const_int((shape(source.args[0].args[0]) or (None,))[-1])
+        if width is not None and width > algebra.routed_below:
+            return width
+    return algebra.routed_below + algebra.top_k
 
 
 def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows, Combine] | NoMatch:

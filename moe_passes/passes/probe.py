@@ -136,6 +136,7 @@ OFFSET_OPS = frozenset(
         operator.sub,
         torch.sym_min,
         torch.sym_max,
+        aten.sum.default,  # a count of true elements: `order[:(ids < R).sum().item()]` (LongCat-Flash)
     }
 )
 

@@ -27,6 +27,7 @@ in each token (`topk`'s), true cells and slots are in one-to-one correspondence,
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,9 @@ class SlotAlgebra:
     def __init__(self, ids: Node, top_k: int):
         self.ids, self.top_k = ids, top_k
         self._memo: dict[Node, IndexMap | Identity | None] = {}
+        # Set where the ascending sort order of the ids is cut to the slots of ids below R (`_routed_prefix`).
+        self.routed_below: int | None = None
+        self._routed_cuts: set[Node] = set()
 
     # -- index tensors ---------------------------------------------------------------------------
     def index(self, node: object) -> IndexMap | Identity | None:
@@ -167,7 +171,7 @@ class SlotAlgebra:
         if is_call(node, aten.floor_divide.default, aten.div.Tensor_mode):
             return self._token_of(node, args)
         if is_call(node, aten.slice.Tensor):
-            return self._true_cells(args)
+            return self._true_cells(args) or self._routed_prefix(node, args)
         if is_call(node, aten.remainder.Scalar):
             return self._token_of_cell(args)
         if is_call(node, aten.masked_select.default):
@@ -198,7 +202,13 @@ class SlotAlgebra:
         return IndexMap(perm, (Step("perm", perm),))
 
     def _inverse(self, source: object, args: dict) -> IndexMap | None:
-        """argsort of a permutation of the slots is its inverse."""
+        """argsort of a permutation of the slots is its inverse (not of one cut to the routed slots:
+        that orders fewer positions than there are slots)."""
+        cut = args.get("input")
+        while isinstance(cut, Node) and (is_cast(cut) or _flattening(cut)):
+            cut = cut.args[0]
+        if cut in self._routed_cuts:
+            return None
         if isinstance(source, IndexMap) and len(source.steps) == 1 and source.steps[0].kind == "perm":
             if not args.get("descending") and args.get("dim", -1) in (0, -1):
                 return IndexMap(SLOTS, (Step("inv", source.steps[0].perm),))
@@ -262,6 +272,54 @@ class SlotAlgebra:
                 total = uncast(total.args[0])
             return one_hot_ids(total) is self.ids
         return False
+
+    # -- the sort order cut to the routed experts (LongCat-Flash's zero experts) -----------------------
+    def _routed_prefix(self, node: Node, args: dict) -> IndexMap | None:
+        """The ids' ascending sort order cut to its first n positions, n proved to be the number of ids
+        below some R (`order[:(ids < R).sum().item()]`): an ascending sort puts the slots of experts
+        0..R-1 first, so the cut holds exactly their positions. Each kept position maps to the slot it
+        did, so the map is the order's own, over fewer positions; `routed_below` records R: the slots of
+        ids >= R reach no row, which the readers of the rows must allow for (a scatter back to slot
+        order must start from zeros, the experts must be 0..R-1)."""
+        source = self.index(args.get("input"))
+        if not (isinstance(source, IndexMap) and len(source.steps) == 1 and source.steps[0].kind == "perm"):
+            return None
+        if args.get("dim") != 0 or args.get("start", 0) not in (None, 0) or args.get("step", 1) != 1:
+            return None
+        below = self._count_below(args.get("end"))
+        if below is None or self.routed_below not in (None, below):
+            return None
+        self.routed_below = below
+        self._routed_cuts.add(node)
+        return source
+
+    def _count_below(self, end: object) -> int | None:
+        """R when `end` is the number of ids below R, read as a number: `(ids < R).sum().item()`, as the
+        slice bound `min(n, T * k)` (which a count of slots never exceeds) or `0 + n`."""
+        while isinstance(end, Node) and end.op == "call_function" and len(end.args) == 2:
+            first, second = end.args
+            if end.target is operator.add and isinstance(first, int) and first == 0:
+                end = second
+            elif end.target is operator.add and isinstance(second, int) and second == 0:
+                end = first
+            elif end.target is torch.sym_min and same_size(second, self.slot_count()):
+                end = first
+            elif end.target is torch.sym_min and same_size(first, self.slot_count()):
+                end = second
+            else:
+                break
+        if not is_call(end, aten._local_scalar_dense.default):
+            return None
+        total = uncast(end.args[0])
+        if not is_call(total, aten.sum.default):
+            return None
+        below = uncast(total.args[0])
+        if not is_call(below, aten.lt.Scalar) or not isinstance(below.args[1], int) or below.args[1] < 1:
+            return None
+        flat = self.index(below.args[0])
+        if not (isinstance(flat, IndexMap) and flat.domain == SLOTS and flat.steps == (Step("expert"),)):
+            return None
+        return below.args[1]
 
     def _token_of_cell(self, args: dict) -> IndexMap | None:
         """cell % T: the token of an expert-major cell e * T + t."""
@@ -722,9 +780,10 @@ class SlotCombines:
             values, index = args["src"], row_broadcast(args["index"])
         else:
             return None
-        if not (_zeros(base) if accumulate else _fresh(base)):
-            return None
         by = self.algebra.index(index)
+        # Where the sort order is cut to the routed slots, the others keep the buffer's values: zeros.
+        if not (_zeros(base) if accumulate or self.algebra.routed_below is not None else _fresh(base)):
+            return None
         return (values, by) if isinstance(by, IndexMap) else None
 
     def _add_by_token(self, out: Node) -> Combine | None:
