@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.helpers import assert_close_for_dtype, backward_like_eager, eager_output, run_hpu_moe
 
 HIDDEN, INTER, ROUTED, ZERO, TOP_K = 16, 8, 4, 2, 2
 
@@ -276,6 +276,12 @@ def test_sort_order_cut_at_the_routed_count_fused_over_the_routed_range():
         report, output, _ = run_hpu_moe(model, inputs)
         assert len(report.fused) == 1 and report.graph_break_count == 0, str(report)
         assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_sort_order_cut_at_the_routed_count_trains_fused_like_eager():
+    torch.manual_seed(0)
+    report = backward_like_eager(SortedPrefixMoE(), (torch.randn(2, 9, HIDDEN),))
+    assert len(report.fused) == 1 and report.graph_break_count == 0, str(report)
 
 
 @pytest.mark.parametrize(
