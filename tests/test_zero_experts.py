@@ -309,3 +309,44 @@ def test_a_cut_scattered_back_into_an_uninitialised_buffer_is_not_fused():
     with torch.no_grad():
         report, _, _ = run_hpu_moe(model, inputs)
     assert not report.fused and report.declined, str(report)
+
+
+class CastKeyedSort(nn.Module):
+    """Segments by the counts of the ids, rows ordered by a sort of `key(ids)`: a sort of the ids only
+    where the cast keeps every id (`.bool()` sorts expert 0's slots first and leaves the rest in slot
+    order)."""
+
+    def __init__(self, key):
+        super().__init__()
+        self.key = key
+        self.router = nn.Linear(HIDDEN, ROUTED, bias=False)
+        self.gate = nn.Parameter(torch.randn(ROUTED, INTER, HIDDEN) / HIDDEN**0.5)
+        self.up = nn.Parameter(torch.randn(ROUTED, INTER, HIDDEN) / HIDDEN**0.5)
+        self.down = nn.Parameter(torch.randn(ROUTED, HIDDEN, INTER) / INTER**0.5)
+
+    def forward(self, x):
+        weights, ids = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        flat = ids.view(-1)
+        order = torch.argsort(self.key(flat), stable=True)
+        counts = torch.zeros(ROUTED, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))
+        pieces = torch.split(x.index_select(0, order // TOP_K), counts.tolist())
+        outputs = []
+        for e in range(ROUTED):
+            piece = pieces[e]
+            outputs.append((F.silu(piece @ self.gate[e].t()) * (piece @ self.up[e].t())) @ self.down[e].t())
+        slots = torch.zeros(flat.shape[0], x.shape[-1], dtype=x.dtype)
+        slots.index_copy_(0, order, torch.cat(outputs))
+        return (slots.view(-1, TOP_K, x.shape[-1]) * weights.unsqueeze(-1)).sum(1)
+
+
+@pytest.mark.parametrize(
+    "key, fused", [(lambda ids: ids.int(), True), (lambda ids: ids.bool(), False), (lambda ids: ids.to(torch.int8), False)],
+    ids=["int32", "bool", "int8"],
+)
+def test_a_sort_of_ids_cast_to_a_dtype_that_may_lose_ids_is_no_sort_of_the_ids(key, fused):
+    torch.manual_seed(0)
+    model, inputs = CastKeyedSort(key).eval(), (torch.randn(9, HIDDEN),)
+    with torch.no_grad():
+        report, output, _ = run_hpu_moe(model, inputs)
+        assert bool(report.fused) == fused, str(report)
+        assert_close_for_dtype(output, eager_output(model, inputs))

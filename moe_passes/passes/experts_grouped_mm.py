@@ -127,6 +127,8 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
         return stacks.decline(FORM, out, down.chosen_by)
     if any(bound != num_experts for bound in bounds):
         return no("rows are masked against another expert count than the experts held", down.chosen_by)
+    if algebra.routed_below is not None:  # read by the segments finder only
+        return no(f"the sorted slots are cut to those of ids below {algebra.routed_below} (the routed experts)", combine.values)
     return ExpertsMatch(
         form=FORM,
         output=through_trailing_cast(combine.output),

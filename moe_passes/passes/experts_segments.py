@@ -166,13 +166,14 @@ def _segments_are_runs(
     the counts, since the slots are sorted by expert.
     """
     tokens, top_k = (int(probe.concrete(d)) for d in shape(ids))
+    ops = probe.OFFSET_OPS if width is None else probe.ROUTED_OFFSET_OPS
     scalars = [t for _, s in segments for t in (*s.start, *s.end) if isinstance(t, Node)]
     nodes = probe.slice_between(scalars, {ids}) if scalars else []
     if any(n.op in ("placeholder", "get_attr") for n in nodes):
         return NoMatch("the segment bounds are not computed from the routing ids the rows are sorted by")
     try:
         for probe_ids, _ in probe.routing_probes(tokens, top_k, width or experts, torch.float32):
-            env = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)}, probe.OFFSET_OPS)
+            env = probe.evaluate(nodes, {ids: probe_ids.to(ids.meta["val"].dtype)}, ops)
             ends = torch.bincount(probe_ids.view(-1), minlength=experts).cumsum(0).tolist()
             for e, segment in segments:
                 bounds = (_bound(segment.start, env, tokens * top_k), _bound(segment.end, env, tokens * top_k))

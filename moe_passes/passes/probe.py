@@ -136,9 +136,12 @@ OFFSET_OPS = frozenset(
         operator.sub,
         torch.sym_min,
         torch.sym_max,
-        aten.sum.default,  # a count of true elements: `order[:(ids < R).sum().item()]` (LongCat-Flash)
     }
 )
+# ... and, where the ids' sort order is cut to the routed slots (`order[:(ids < R).sum().item()]`,
+# LongCat-Flash; the cut itself proved by the slot algebra), the count that cuts it.
+ROUTED_OFFSET_OPS = OFFSET_OPS | {aten.sum.default}
+_BOUND_OPS = (OFFSET_OPS, ROUTED_OFFSET_OPS)
 
 
 class NotProbeable(Exception):
@@ -186,7 +189,9 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
         from_sum = is_call(node, aten.cumsum.default) or any(n in summed for n in inputs)
         # Segment bounds (OFFSET_OPS) may clamp running sums to the rows they cut (`min(end, n)`): the
         # segments finder compares them with the runs themselves. Nothing else may threshold them.
-        if node.target in _THRESHOLDS and not crowded and (from_sort or (from_sum and extra_ops is not OFFSET_OPS)):
+        if node.target in _THRESHOLDS and not crowded and (
+            from_sort or (from_sum and not any(extra_ops is ops for ops in _BOUND_OPS))
+        ):
             raise NotProbeable(
                 f"{node.name} compares a position or offset with a threshold (a capacity, which probes rarely reach)"
             )

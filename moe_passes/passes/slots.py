@@ -39,6 +39,7 @@ from ..fx_utils import (
     TRANSPOSE_OPS,
     arguments,
     const_int,
+    dtype,
     is_call,
     is_cast,
     is_getitem,
@@ -152,8 +153,12 @@ class SlotAlgebra:
         return self._memo[node]
 
     def _index(self, node: Node) -> IndexMap | Identity | None:
-        if is_cast(node) or _flattening(node) or is_call(node, aten.clone.default, aten.alias.default):
+        if (is_cast(node) and _keeps_index_values(node)) or _flattening(node) or is_call(
+            node, aten.clone.default, aten.alias.default
+        ):
             return self.index(node.args[0])
+        if is_cast(node):
+            return None  # bool or a narrow dtype: not the same indices (a sort of `ids.bool()` is no sort of the ids)
         if node is self.ids:
             return IndexMap(SLOTS, (Step("expert"),))
         args = arguments(node) or {}
@@ -205,7 +210,7 @@ class SlotAlgebra:
         """argsort of a permutation of the slots is its inverse (not of one cut to the routed slots:
         that orders fewer positions than there are slots)."""
         cut = args.get("input")
-        while isinstance(cut, Node) and (is_cast(cut) or _flattening(cut)):
+        while isinstance(cut, Node) and (is_cast(cut) or _flattening(cut) or is_call(cut, aten.clone.default, aten.alias.default)):
             cut = cut.args[0]
         if cut in self._routed_cuts:
             return None
@@ -218,9 +223,10 @@ class SlotAlgebra:
         """index_put(empty(n), [perm], arange(n)) (or scatter / index_copy of arange): the inverse."""
         if is_call(node, aten.index_put.default):
             indices, values = args.get("indices") or [None], args.get("values")
-            by = self.index(indices[0]) if len(indices) == 1 else None
+            index = indices[0] if len(indices) == 1 else None
         else:
-            by, values = self.index(args.get("index")), args.get("src", args.get("source"))
+            index, values = args.get("index"), args.get("src", args.get("source"))
+        by = self.index(index)
         while is_call(values, aten.view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim):
             values = values.args[0]  # one slot: arange(1) is viewed as a scalar
         identity = self.index(values)
@@ -228,7 +234,7 @@ class SlotAlgebra:
             return None
         if not same_size(identity.size, self.slot_count()):
             return None  # a shorter arange would broadcast: not the inverse
-        return self._inverse(by, {})
+        return self._inverse(by, {"input": index})
 
     def _token_of(self, node: Node, args: dict) -> IndexMap | None:
         """m // k, for m a map into the slots: the token of each slot."""
@@ -314,7 +320,7 @@ class SlotAlgebra:
         if not is_call(total, aten.sum.default):
             return None
         below = uncast(total.args[0])
-        if not is_call(below, aten.lt.Scalar) or not isinstance(below.args[1], int) or below.args[1] < 1:
+        if not is_call(below, aten.lt.Scalar) or type(below.args[1]) is not int or below.args[1] < 1:
             return None
         flat = self.index(below.args[0])
         if not (isinstance(flat, IndexMap) and flat.domain == SLOTS and flat.steps == (Step("expert"),)):
@@ -593,6 +599,14 @@ def row_broadcast(index: Node) -> Node | None:
     if is_call(node, aten.view.default, aten.reshape.default) and list(node.args[1])[1:] == [1]:
         return node.args[0]
     return None
+
+
+# Casts of index tensors that keep every id (expert and slot numbers are far below 2**24).
+_INDEX_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+def _keeps_index_values(cast: Node) -> bool:
+    return dtype(cast) in _INDEX_DTYPES
 
 
 def uncast(node: object) -> object:
