@@ -37,17 +37,16 @@ class Fused:
     training_backward: str | None = None  # "recompute" (the op's backward) or "saved activations"
 
     def experts_text(self) -> str:
-        """"8 experts", or "2 experts, expert parallel: experts 2..3 of 4 (rank 1)" for one rank's share
-        of the router's experts (the rank as the contiguous, equal shares count it)."""
+        """"8 experts", or "4 experts: ids 4..7 of the router's 8 (expert-parallel rank 1)" where the region
+        holds part of the router's experts. The graph shows which ids it computes, not why the others are
+        elsewhere: other ranks' experts, or experts the layer handles outside the region (LongCat's
+        identity experts). The rank is named only where contiguous, equal shares give one."""
         if self.router_experts is None or self.router_experts == self.num_experts:
             return f"{self.num_experts} experts"
         last = self.experts_min + self.num_experts - 1
         share = self.router_experts % self.num_experts == 0 and self.experts_min % self.num_experts == 0
-        rank = f" (rank {self.experts_min // self.num_experts})" if share else ""
-        return (
-            f"{self.num_experts} experts, expert parallel: experts {self.experts_min}..{last} of "
-            f"{self.router_experts}{rank}"
-        )
+        rank = f" (expert-parallel rank {self.experts_min // self.num_experts})" if share else ""
+        return f"{self.num_experts} experts: ids {self.experts_min}..{last} of the router's {self.router_experts}{rank}"
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def test_a_shifted_window_is_fused_on_the_router_ids(remap, implementation):
     report, output, recorder = run_hpu_moe(model, inputs)
     (node,) = recorder.fused_nodes()
     assert fused_range(node) == (4, 7, "aten.topk.default"), str(report)
-    assert "expert parallel: experts 4..7 of 8 (rank 1)" in str(report)
+    assert "4 experts: ids 4..7 of the router's 8 (expert-parallel rank 1)" in str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 

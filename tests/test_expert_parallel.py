@@ -41,8 +41,8 @@ def test_each_rank_lowers_with_its_expert_range_and_the_ranks_sum_to_one_device(
         (node,) = recorder.fused_nodes()
         assert range_arguments(node) == (rank * local, (rank + 1) * local - 1), str(report)
         assert [f.num_experts for f in report.fused] == [local]
-        window = f"expert parallel: experts {rank * local}..{(rank + 1) * local - 1} of {experts} (rank {rank})"
-        assert f"{local} experts, {window}" in str(report)
+        window = f"ids {rank * local}..{(rank + 1) * local - 1} of the router's {experts} (expert-parallel rank {rank})"
+        assert f"{local} experts: {window}" in str(report)
         assert_close_for_dtype(output, eager_output(model, inputs))
         shares.append(output - x)  # one layer: x + moe(norm(x)); the share is this rank's moe output
     torch.testing.assert_close(x + sum(shares), eager_output(full, inputs), atol=1e-5, rtol=1e-4)

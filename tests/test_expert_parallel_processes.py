@@ -47,7 +47,7 @@ def test_every_rank_fuses_every_layer_with_its_window_and_equals_one_process(res
     local = 8 // config.ranks
     for r in ranks:
         assert r.fused == r.moe_layers == 2, r.report
-        window = f"experts {r.rank * local}..{(r.rank + 1) * local - 1} of 8 (rank {r.rank})"
+        window = f"ids {r.rank * local}..{(r.rank + 1) * local - 1} of the router's 8 (expert-parallel rank {r.rank})"
         assert all(window in w for w in r.windows), r.report
         assert r.graph_breaks == 0 and r.recompiles == 0 and r.compiles == 1, r.report
         assert r.fused_feeds_collective, "the all-reduce must follow each fused call in the same graph"
@@ -92,5 +92,5 @@ def test_the_readme_script_runs_as_written(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    for window in ("experts 0..3 of 8 (rank 0)", "experts 4..7 of 8 (rank 1)"):
+    for window in ("ids 0..3 of the router's 8 (expert-parallel rank 0)", "ids 4..7 of the router's 8 (expert-parallel rank 1)"):
         assert result.stdout.count(window) == 2, result.stdout

@@ -275,6 +275,8 @@ def test_sort_order_cut_at_the_routed_count_fused_over_the_routed_range():
         assert (model.router(inputs[0]).topk(TOP_K, dim=-1).indices >= ROUTED).any()  # identity slots exist
         report, output, _ = run_hpu_moe(model, inputs)
         assert len(report.fused) == 1 and report.graph_break_count == 0, str(report)
+        # the identity experts are the layer's own, not another rank's: no rank is named
+        assert f"{ROUTED} experts: ids 0..{ROUTED - 1} of the router's {ROUTED + ZERO}," in str(report)
         assert_close_for_dtype(output, eager_output(model, inputs))
 
 
