@@ -1,7 +1,8 @@
 """Differential fuzzing: random MoE blocks compiled with hpu_moe equal eager, fused or declined with a reason.
 
 The generator and the check live in tests/fuzz_models.py. This test runs a bounded, derandomized budget
-(MOE_FUZZ_CASES, default 300); tools/fuzz.py runs long budgets and reports every failure at once.
+(MOE_FUZZ_CASES, default 100: about two minutes of one CI worker); tools/fuzz.py runs long budgets and
+reports every failure at once, and the GPU machine's 16 cores run MOE_FUZZ_CASES=300.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.fuzz_models import Case, cases, expect_fused, run_case
 
-BUDGET = int(os.environ.get("MOE_FUZZ_CASES", "300"))
+BUDGET = int(os.environ.get("MOE_FUZZ_CASES", "100"))
 
 
 def test_fuzzed_moe_blocks_are_fused_and_equal_or_declined_with_a_reason():

