@@ -136,3 +136,20 @@ def test_discovery_looks_at_each_class_once(monkeypatch):
     assert looked_at == [DefinedAfterwards]
     discovery.adapt_new_classes()
     assert looked_at == [DefinedAfterwards]
+
+
+def test_a_class_whose_forward_is_replaced_is_looked_at_again(monkeypatch):
+    """LongCat-Next patches its MoE class's forward at run time: the class is looked at again then."""
+    from moe_passes.adapters import discovery, hit_expert_loops
+
+    class PatchedLater(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    discovery.prepare()
+    looked_at = []
+    original = hit_expert_loops.adaptations_of
+    monkeypatch.setattr(hit_expert_loops, "adaptations_of", lambda cls: looked_at.append(cls) or original(cls))
+    monkeypatch.setattr(PatchedLater, "forward", lambda self, x: x + 1)
+    discovery.adapt()
+    assert looked_at == [PatchedLater]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 
 import torch
@@ -13,10 +14,24 @@ from .base import compiling_for_hpu_moe, env_enabled, install
 log = logging.getLogger(__name__)
 
 _seen_subclass_count = -1
-# Classes already looked at with adapters enabled. Adapting installs on the class itself, so a class
-# needs one look: tests and generated models define classes at every compile, and looking at all of
-# them again each time cost about 0.6 s per compile with ~500 classes loaded.
-_examined: weakref.WeakSet[type] = weakref.WeakSet()
+# Classes already looked at with adapters enabled, with the methods they had then. Adapting installs on
+# the class itself, so a class needs one look while its methods stay: tests and generated models define
+# classes at every compile, and looking at every loaded class again each time cost about 0.6 s per
+# compile with ~500 classes loaded. A class whose methods were replaced since (LongCat-Next patches its
+# MoE forward at run time) is looked at again.
+_examined: weakref.WeakKeyDictionary[type, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+
+def _methods_of(cls: type) -> tuple[int, ...]:
+    """The identities of the functions `cls` and its nn.Module bases define (ids, not the functions: a
+    function using super() refers to its class, and would keep a deleted class alive)."""
+    return tuple(
+        id(value)
+        for base in cls.__mro__
+        if base is not torch.nn.Module and isinstance(base, type) and issubclass(base, torch.nn.Module)
+        for value in vars(base).values()
+        if isinstance(value, (types.FunctionType, staticmethod, classmethod))
+    )
 
 
 def _module_classes() -> list[type]:
@@ -43,11 +58,11 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
     classes = {type(m) for m in model.modules()} if model is not None else _module_classes()
     adapted = []
     for cls in classes:
-        if cls in _examined:
-            continue  # looked at before: adapted then, or nothing to adapt
-        _examined.add(cls)
+        if _examined.get(cls) == _methods_of(cls):
+            continue  # looked at before, methods unchanged: adapted then, or nothing to adapt
         if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
+            _examined[cls] = _methods_of(cls)
             continue
         loops = hit_expert_loops.adaptations_of(cls)
         installed = [install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()]
@@ -57,6 +72,7 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
         ]
         if any(installed):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
+        _examined[cls] = _methods_of(cls)  # after installing: the adapted methods are the ones to keep
     from . import vllm
 
     adapted.extend(vllm.install_if_loaded())
