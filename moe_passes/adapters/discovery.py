@@ -28,7 +28,7 @@ def _methods_of(cls: type) -> tuple[int, ...]:
     return tuple(
         id(value)
         for base in cls.__mro__
-        if base is not torch.nn.Module and isinstance(base, type) and issubclass(base, torch.nn.Module)
+        if base is not torch.nn.Module and issubclass(base, torch.nn.Module)
         for value in vars(base).values()
         if isinstance(value, (types.FunctionType, staticmethod, classmethod))
     )
@@ -60,23 +60,26 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
     for cls in classes:
         if _examined.get(cls) == _methods_of(cls):
             continue  # looked at before, methods unchanged: adapted then, or nothing to adapt
-        if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
-            adapted.append(f"{cls.__module__}.{cls.__qualname__}")
-            _examined[cls] = _methods_of(cls)
-            continue
-        loops = hit_expert_loops.adaptations_of(cls)
-        installed = [install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()]
-        installed += [
-            install(cls, traced, device_moves.NAME, method)
-            for method, traced in device_moves.adaptations_of(cls, taken=set(loops)).items()
-        ]
-        if any(installed):
+        if _install_adapters(cls):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
         _examined[cls] = _methods_of(cls)  # after installing: the adapted methods are the ones to keep
     from . import vllm
 
     adapted.extend(vllm.install_if_loaded())
     return adapted
+
+
+def _install_adapters(cls: type) -> bool:
+    """Install every adapter that takes `cls`; True if any was installed now."""
+    if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
+        return True
+    loops = hit_expert_loops.adaptations_of(cls)
+    installed = [install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()]
+    installed += [
+        install(cls, traced, device_moves.NAME, method)
+        for method, traced in device_moves.adaptations_of(cls, taken=set(loops)).items()
+    ]
+    return any(installed)
 
 
 def adapt_new_classes() -> None:
