@@ -494,3 +494,50 @@ class OffsetIdLoop(torch.nn.Module):
 
 def test_a_mask_of_an_offset_expert_id_is_an_expert_loop():
     assert set(hit_expert_loops.adaptations_of(OffsetIdLoop)) == {"forward"}
+
+
+class GatedExpert(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = torch.nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class ZippedMaskLoop(torch.nn.Module):
+    """Per-expert masks zipped with the experts (LitGPT's spelling, written afresh): `masks[e]` is
+    expert e's [T, k] mask, selected with `torch.where`; `boolean_index` selects rows by `mask.any(-1)`."""
+
+    def __init__(self, hidden=8, experts=4, top_k=2, boolean_index=False):
+        super().__init__()
+        self.top_k, self.boolean_index = top_k, boolean_index
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(GatedExpert(hidden) for _ in range(experts))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), self.top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        masks = F.one_hot(ids, len(self.experts)).permute(2, 0, 1).bool()
+        out = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts[:], strict=True):
+            if self.boolean_index:
+                picked = mask.any(-1)
+                out[picked] += (weights * mask)[picked].sum(-1, keepdim=True) * expert(x[picked])
+            else:
+                token, slot = torch.where(mask)
+                out[token] += weights[token, slot, None] * expert(x[token])
+        return out
+
+
+@pytest.mark.parametrize("boolean_index", [False, True], ids=["where", "boolean_index"])
+def test_masks_zipped_with_the_experts_are_captured_and_fused(boolean_index):
+    torch.manual_seed(0)
+    model = ZippedMaskLoop(boolean_index=boolean_index).eval()
+    inputs = (torch.randn(6, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -953,10 +953,12 @@ def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> boo
                     if isinstance(name, ast.Name):
                         values.setdefault(name.id, []).append(stmt.value)
     varying = _index_variables(loop)
+    zipped = _zipped_with_modules(loop)
+    # `for mask, expert in zip(masks, self.experts)`: each zipped element is the expert's row, `masks[e]`
+    masks: set[str] = set(zipped)  # names holding one expert's mask, a lookup `mask[e]` included
+    compared: set[str] = {name for name, source in zipped.items() if source in boolean}  # comparison, `.bool()`
     if call_name(loop.iter) != "range":
         boolean = frozenset()  # `mask[i]` over `enumerate(batch)` picks a sequence's tokens, not an expert's
-    masks: set[str] = set()  # names holding one expert's mask, a lookup `mask[e]` included
-    compared: set[str] = set()  # those that are boolean by construction: a comparison or `.bool()`
     while True:  # names whose value depends on the loop variable, and names holding such masks
         grown_varying = varying | {k for k, vs in values.items() if any(_mentions(v, varying) for v in vs)}
         grown_masks = masks | {k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, masks) for v in vs)}
@@ -978,6 +980,26 @@ def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> boo
         elif _is_expert_mask(operand, varying, masks):
             return True
     return False
+
+
+def _zipped_with_modules(loop: ast.For) -> dict[str, str]:
+    """{target: zipped name} for the names a `zip(...)` loop binds next to a module container of the
+    layer (`for mask, expert in zip(masks, self.experts)`, a slice of it included): each is the row of its
+    tensor that goes with one expert. Empty for other loops (`zip` of per-sequence data binds no expert)."""
+    if call_name(loop.iter) != "zip" or not isinstance(loop.target, ast.Tuple):
+        return {}
+    pairs = list(zip(loop.target.elts, loop.iter.args, strict=False))
+    if len(pairs) != len(loop.iter.args) or not any(_is_self_attribute(arg) for _, arg in pairs):
+        return {}
+    return {target.id: source.id for target, source in pairs
+            if isinstance(target, ast.Name) and isinstance(source, ast.Name)}
+
+
+def _is_self_attribute(expr: ast.AST) -> bool:
+    """`self.experts` or a slice of it (`self.experts[lo:hi]`)."""
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
+        expr = expr.value
+    return isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self"
 
 
 def _as_loop(comprehension: ast.ListComp | ast.GeneratorExp) -> ast.For:
