@@ -24,6 +24,7 @@ _spec.loader.exec_module(corpus_tool)
 PINNED_ON = (2, 13)
 OUTCOMES = {
     "arctic_moe": "fused",
+    "bailing_moe": "fused",
     "colossalai_moe": "declined",
     "davidmrau_moe": "not captured",
     "deepseek_moe_16b": "fused",
@@ -35,6 +36,7 @@ OUTCOMES = {
     "grok1_moe": "declined",
     "hunyuan_large_moe": "fused",
     "jetmoe_original": "fused",
+    "kyegomez_switch": "not captured",
     "labml_switch": "fused",
     "litgpt_llama_moe": "fused",
     "llama4_reference_moe": "declined",
@@ -46,7 +48,9 @@ OUTCOMES = {
     "lucidrains_st_moe": "declined",
     "make_moe": "declined",
     "minimax_text01_moe": "fused",
+    "minimind3_moe": "fused",
     "minimind_moe": "fused",
+    "moduleformer_moe": "not captured",
     "nano_moe": "declined",
     "olmo_core_moe": "not captured",
     "openmoe": "declined",

@@ -541,3 +541,86 @@ def test_masks_zipped_with_the_experts_are_captured_and_fused(boolean_index):
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 1, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class MaskAnyGuard(torch.nn.Module):
+    """`if mask.any():` around one expert's work, with an `elif self.training:` arm (minimind's skip of an
+    expert no token chose, written afresh): removable."""
+
+    def __init__(self, hidden=8, experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(GatedExpert(hidden) for _ in range(experts))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            if chosen.any():
+                rows = chosen.any(dim=-1).nonzero().flatten()
+                out.index_add_(0, rows, expert(x[rows]) * weights[chosen].unsqueeze(-1))
+            elif self.training:
+                out[0, 0] += 0 * sum(p.sum() for p in expert.parameters())
+        return out
+
+
+class GuardOnAnotherMask(MaskAnyGuard):
+    """The guard tests another mask than the one the rows come from: kept."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            first = ids[:, :1] == e
+            if first.any():
+                rows = chosen.any(dim=-1).nonzero().flatten()
+                out.index_add_(0, rows, expert(x[rows]) * weights[chosen].unsqueeze(-1))
+        return out
+
+
+class GuardWithADataElif(MaskAnyGuard):
+    """The other arm's test reads the data (`elif x.sum() > 0:`): kept."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            if chosen.any():
+                rows = chosen.any(dim=-1).nonzero().flatten()
+                out.index_add_(0, rows, expert(x[rows]) * weights[chosen].unsqueeze(-1))
+            elif x.sum() > 0:
+                out[0, 0] += 1.0
+        return out
+
+
+@pytest.mark.parametrize("tokens", [6, 1], ids=["default", "decode"])
+def test_a_mask_any_guard_is_removed_and_the_loop_fused(tokens):
+    torch.manual_seed(0)
+    model = MaskAnyGuard().eval()
+    inputs = (torch.randn(tokens, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("cls", [GuardOnAnotherMask, GuardWithADataElif], ids=lambda c: c.__name__)
+def test_a_mask_guard_the_source_does_not_prove_is_kept(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    inputs = (torch.randn(6, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_the_training_arm_of_a_mask_guard_runs_as_written():
+    from tests.helpers import backward_like_eager
+
+    torch.manual_seed(0)
+    report = backward_like_eager(MaskAnyGuard(), (torch.randn(6, 8),))
+    assert report.graph_break_count > 0, str(report)  # `elif self.training:` keeps the data-dependent test

@@ -30,7 +30,13 @@ not, the original `nonzero` is kept.
 Loops over every expert (`range(E)`) keep their iteration; a guard that skips the work when the
 expert's rows are empty (`if rows.numel() > 0:` around it, `if rows.shape[0] == 0: continue` before it:
 a data-dependent branch that breaks the graph) is removed when the guarded work is that one
-accumulation at those same rows, which adds nothing for empty rows.
+accumulation at those same rows, which adds nothing for empty rows. `if M.any():` around the work
+(minimind) is such a guard where the rows are the non-zero entries of M (or of `M.any(dim)`); an
+`elif C:` arm on a static test (`self.training`) stays under C, as written, and the guard goes where C is
+false.
+
+Loops that zip the experts with per-expert tensors (`for mask, expert in zip(masks, self.experts)`,
+LitGPT) select tokens by the zipped element as `range` loops do by `mask[e]`.
 
 Loops over per-expert counts (`for i, n in enumerate(counts): if n == 0: continue`, DeepSeek-V2 4.x)
 lose that guard when `count_loops` proves it removable, and methods that read per-expert counts as
@@ -53,6 +59,7 @@ import inspect
 import logging
 import os
 import types
+from copy import deepcopy
 
 import torch
 
@@ -284,6 +291,63 @@ def _emptiness_guarded(stmt: ast.stmt) -> str | None:
             return None
         test = test.left
     return _sized_name(test)
+
+
+def _mask_guarded(stmt: ast.stmt) -> str | None:
+    """M for `if M.any():` / `if torch.any(M):` (minimind's skip of an expert no token chose), whose only
+    other arm is none or one `elif` on a static test (`elif self.training:`, see `_static_test`); else None.
+    Rows selected as the non-zero entries of M (or of `M.any(dim)`) are empty exactly when the test fails."""
+    if not isinstance(stmt, ast.If):
+        return None
+    if stmt.orelse and not (len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)
+                            and not stmt.orelse[0].orelse and _static_test(stmt.orelse[0].test)):
+        return None
+    test = stmt.test
+    if call_name(test) != "any" or test.keywords:
+        return None
+    if isinstance(test.func, ast.Attribute) and not test.args and not _is_torch(test.func.value):
+        subject = test.func.value
+    elif len(test.args) == 1 and isinstance(test.func, ast.Attribute) and _is_torch(test.func.value):
+        subject = test.args[0]
+    else:
+        return None
+    return subject.id if isinstance(subject, ast.Name) else None
+
+
+def _is_torch(expr: ast.AST) -> bool:
+    return isinstance(expr, ast.Name) and expr.id == "torch"
+
+
+def _static_test(test: ast.AST) -> bool:
+    """A test of the module's attributes and constants only (`self.training`, `not self.config.aux and
+    self.training`): no call, subscript or local name (which could hold a tensor), so dynamo folds it to a
+    constant, and evaluating it before the guard's own test has no effect."""
+    if isinstance(test, ast.BoolOp):
+        return all(_static_test(value) for value in test.values)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _static_test(test.operand)
+    if isinstance(test, ast.Constant):
+        return True
+    while isinstance(test, ast.Attribute):
+        test = test.value
+    return isinstance(test, ast.Name) and test.id == "self"
+
+
+def _mask_of_rows(value: ast.AST) -> str | None:
+    """M when `value` selects the non-zero entries of M or of `M.any(dim)` (`M.any(dim=-1).nonzero()`,
+    `torch.where(M)`, through flattening views): rows that are empty exactly when M has no non-zero entry."""
+    value = strip_methods(value, _FLAT_VIEWS)
+    name = call_name(value)
+    if name == "where" and len(value.args) == 1 and not value.keywords:
+        operand = value.args[0]
+    elif name == "nonzero" and isinstance(value.func, ast.Attribute):
+        operand = value.func.value if not _is_torch(value.func.value) else (value.args[0] if value.args else None)
+    else:
+        return None
+    operand = strip_methods(operand, _FLAT_VIEWS) if operand is not None else None
+    if call_name(operand) == "any" and isinstance(operand.func, ast.Attribute) and not _is_torch(operand.func.value):
+        operand = operand.func.value  # M.any(dim): a row is non-zero where any of M's entries in it is
+    return operand.id if isinstance(operand, ast.Name) else None
 
 
 # In-place adds into an existing tensor at an index: with an empty index they touch nothing.
@@ -586,6 +650,8 @@ def _check_body(
     rows: dict[str, int] = dict(given_rows or {})  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
+    mask_guards: list[tuple[int, str]] = []  # (line of `if M.any():`, M)
+    masks_of: dict[str, str] = {}  # rows name -> the mask whose non-zero entries they are
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     skips: list[int] = []
     loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
@@ -605,6 +671,8 @@ def _check_body(
                 if var in names:
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
                 rows.update(dict.fromkeys(_rows_names(stmt, mask, var), stmt.lineno))
+                if (masked := _mask_of_rows(stmt.value)) is not None:
+                    masks_of.update(dict.fromkeys(stored_names(targets[0]), masked))
                 if (cut := _cut_rows(stmt, rows)) is not None:
                     rows[cut] = stmt.lineno  # the first rows of rows empty for an expert not hit: empty too
                 bound.update(names)
@@ -620,6 +688,12 @@ def _check_body(
                 pass
             elif (source := _emptiness_guard(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))
+                visit(stmt.body)
+            elif (tested := _mask_guarded(stmt)) is not None and tested in bound and not any(
+                    tested in stored_names(t) for n in stmt.body for a in ast.walk(n)
+                    if isinstance(a, ast.Assign | ast.AugAssign | ast.AnnAssign)
+                    for t in (a.targets if isinstance(a, ast.Assign) else [a.target])):
+                mask_guards.append((stmt.lineno, tested))  # its static `elif` arm is kept under its own test
                 visit(stmt.body)
             elif (source := _skip_when_empty(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
@@ -642,6 +716,14 @@ def _check_body(
     if len(accumulations) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
+    accumulated_at = _accumulation_index(accumulations[0])
+    for line, tested in mask_guards:
+        if masks_of.get(accumulated_at) != tested:
+            raise NotAdaptable(
+                f"line {line}: the guard tests {tested}, not the mask whose non-zero entries the accumulation's "
+                "rows are"
+            )
+        guards.append((line, accumulated_rows))
     for line, counts in count_guards:
         source = _selected_by_equality(loop, accumulated_rows, var)
         if source is None or source in bound or not _bincount_of(counts, source, fn_def):
@@ -688,6 +770,18 @@ def _cut_rows(stmt: ast.stmt, rows: dict[str, int]) -> str | None:
             and isinstance(value.slice, ast.Slice) and value.slice.step is None):
         return stmt.targets[0].id
     return None
+
+
+def _accumulation_index(acc) -> str | None:
+    """The name of the rows an accumulation statement (`_check_accumulation`'s forms) adds at."""
+    if isinstance(acc, ast.AugAssign):
+        index = acc.target.slice
+    elif acc.func.attr == "index_add_":
+        index = acc.args[1] if len(acc.args) > 1 else next((k.value for k in acc.keywords if k.arg == "index"), None)
+    else:
+        indices = acc.args[0] if acc.args else None
+        index = indices.elts[0] if isinstance(indices, ast.Tuple | ast.List) and len(indices.elts) == 1 else None
+    return index.id if isinstance(index, ast.Name) else None
 
 
 def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
@@ -1179,7 +1273,15 @@ class _Rewrite(ast.NodeTransformer):
         if node.lineno in self.guards:  # a proved emptiness guard: its body runs unconditionally
             if len(node.body) == 1 and isinstance(node.body[0], ast.Continue):
                 return ast.copy_location(ast.Pass(), node)
-            return [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
+            as_written = deepcopy(node)  # before visiting: the visit rewrites the body in place
+            body = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
+            if not node.orelse:
+                return body
+            # `if M.any(): body elif C: other` -> `if C: <as written> else: body`: C is static (dynamo folds
+            # it), and where it is false the original ran body, or nothing when M had no non-zero entry
+            elif_arm = node.orelse[0]
+            kept = ast.If(test=elif_arm.test, body=[as_written], orelse=body)
+            return ast.copy_location(kept, node)
         return self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign):
