@@ -238,7 +238,8 @@ class Report:
             lines.append(f"  break: {' / '.join(details[:2])}")
         for graph_break in self.graph_breaks:
             frame = graph_break.user_stack[-1] if graph_break.user_stack else None
-            lines.append(f"  break at {graph_break.location}" + (f" ({frame.function})" if frame else ""))
+            where = f" ({frame.function})" + (f": {frame.code}" if frame.code else "") if frame else ""
+            lines.append(f"  break at {graph_break.location}{where}")
         for recompile in self.recompiles:
             reason = recompile.guard_failures[0] if recompile.guard_failures else "unknown"
             lines.append(

@@ -80,6 +80,20 @@ def test_graph_breaks_carry_the_user_stack_into_the_model_source():
         assert not any(f.file.startswith(torch_dir) for f in graph_break.user_stack)  # user frames only
 
 
+class SkipsOnItsData(torch.nn.Module):
+    def forward(self, x):
+        if torch.isnan(x).any():
+            x = torch.nan_to_num(x)
+        return x * 2
+
+
+def test_a_break_is_printed_with_the_source_line_that_made_it():
+    x = torch.ones(3)
+    report = moe_passes.explain(SkipsOnItsData(), x)
+    assert report.graph_break_count > 0, str(report)
+    assert "(forward): if torch.isnan(x).any():" in str(report), str(report)
+
+
 def test_the_fix_one_compile_no_break_no_recompile_and_the_experts_fused():
     report = run_each_layer({"inner": "eager", "target": "portable"}, 10, dp_metadata=True)
     assert (report.compile_count, report.recompile_count, report.graph_break_count) == (1, 0, 0), str(report)

@@ -89,7 +89,9 @@ def _first_break(report) -> str:
     if report.graph_breaks:
         first = report.graph_breaks[0]
         reason = " ".join(first.reason.split())[:200]
-        return f"{reason} (at {first.location})"
+        frame = first.user_stack[-1] if first.user_stack else None
+        code = f": `{frame.code}`" if frame is not None and frame.code else ""
+        return f"{reason} (at {first.location}{code})"
     if report.break_reasons:
         return " ".join(report.break_reasons[0].split())[:200]
     return f"{report.graph_count} graphs" + (f"; {report.fallbacks[0]}" if report.fallbacks else "")
