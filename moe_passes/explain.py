@@ -427,7 +427,10 @@ def advice_for_breaks(
 
 
 # dynamo's reason for not tracing into a function wrapped in torch.compiler.disable / torch._dynamo.disable
-_DISABLED_CALL = re.compile(r"<function (?P<name>\S+) at 0x[0-9a-f]+> since it was wrapped with `torch\.(?:compiler|_dynamo)\.disable")
+# ("Skip inlining function <function f at 0x..> since ..."; a call of such a function quotes it in backticks)
+_DISABLED_CALL = re.compile(
+    r"<function (?P<name>\S+) at 0x[0-9a-f]+>`? since it was wrapped with `torch\.(?:compiler|_dynamo)\.disable"
+)
 # dynamo appends the breaks a first break caused (a loop around it skipped) after this line
 _CHAINED_BREAK = "*** While handling this graph break, another graph break occurred"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import form_catalog
 import moe_passes
@@ -274,3 +275,53 @@ def test_code_excluded_from_compilation_is_named_as_the_reason_not_data_dependen
     assert "`ExcludedExperts.expert_outputs` is excluded from compilation by its authors" in excluded, excluded
     assert re.search(r"called at \S*test_explain\.py:\d+", excluded), excluded
     assert not any("data-dependent" in advice for advice in rest), report.advice
+
+
+class GroupedOutsideTheGraph(torch.nn.Module):
+    """Per-expert token lists built by a `torch._dynamo.disable`d function (torchao's Mixtral), then a
+    gated expert per list: the graph after the break receives the lists as inputs."""
+
+    def __init__(self, hidden=8, experts=4):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, 2 * hidden, hidden) / hidden**0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, 2 * hidden, hidden) / hidden**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, 2 * hidden) / hidden**0.5)
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), 2)
+        order = ids.view(-1).argsort(stable=True)
+        ends = torch.bincount(ids.view(-1), minlength=len(self.w1)).cumsum(0)
+
+        @torch._dynamo.disable()
+        def group(order, ends):
+            return [order[(ends[e - 1] if e else 0):ends[e]] for e in range(len(ends))]
+
+        groups = group(order, ends)
+        out = torch.zeros_like(x)
+        for e, slots in enumerate(groups):
+            rows = slots // 2
+            h = x[rows]
+            y = F.linear(F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e]), self.w2[e])
+            out.index_add_(0, rows, y * weights.view(-1)[slots, None])
+        return out
+
+
+def test_experts_fed_by_a_disabled_function_name_it_in_the_advice():
+    """dynamo quotes a called (not inlined) disabled function in backticks: the advice still names it."""
+    report = moe_passes.explain(GroupedOutsideTheGraph(), torch.randn(6, 8),
+                                options={"inner": "eager", "target": "portable"})
+    assert not report.fused, str(report)
+    assert "`GroupedOutsideTheGraph.forward.<locals>.group` is excluded from compilation" in report.advice[0], report
+
+
+def test_segments_indexed_by_graph_inputs_are_declined_as_such():
+    """torchao's Mixtral groups token indices per expert in a `torch._dynamo.disable`d function: the graph
+    after it receives the index lists as inputs, which the decline says (not "not a segment")."""
+    from form_catalog.corpus import torchao_mixtral_moe
+
+    model, inputs = torchao_mixtral_moe.build()
+    report = moe_passes.explain(model, *inputs, options={"inner": "eager", "target": "portable"})
+    assert not report.fused, str(report)
+    assert any("picked by indices this graph receives as an input" in d.reason for d in report.declined), str(report)
+    assert "group_tokens_by_expert` is excluded from compilation" in report.advice[0], report

@@ -205,6 +205,12 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     if term is not None and term.input_scaled_by is None:
         segment = _segment(strip_shape_ops(term.hidden))
         if segment is None:
+            if _picked_by_graph_input(term.hidden):
+                return NoMatch(
+                    f"expert {e}'s input rows are picked by indices this graph receives as an input: they were "
+                    "computed before a graph break (see the breaks), so which tokens they are cannot be checked",
+                    piece,
+                )
             return NoMatch(f"expert {e}'s input is not a segment of the sorted rows", piece)
         segments.append((e, segment))
         return term
@@ -229,6 +235,19 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     segments.extend([(e, segment), (e, joined)] + ([(e, inner.placed[e])] if inner.placed else []))
     activation, desc = activation_of(product.activation_node)
     return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
+
+
+def _picked_by_graph_input(rows: Node) -> bool:
+    """`rows` is `x[idx]` (index / index_select) with `idx` a graph input: per-expert indices built in code
+    dynamo did not trace (torchao's Mixtral groups them in a `torch._dynamo.disable`d function)."""
+    rows = strip_casts(strip_shape_ops(rows))
+    if is_call(rows, torch.ops.aten.index.Tensor):
+        indices = [i for i in rows.args[1] if i is not None]
+    elif is_call(rows, torch.ops.aten.index_select.default):
+        indices = [rows.args[2]]
+    else:
+        return False
+    return any(isinstance(i, Node) and strip_casts(strip_shape_ops(i)).op == "placeholder" for i in indices)
 
 
 def _scales_gathered_rows(rows: Node) -> bool:
