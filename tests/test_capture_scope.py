@@ -153,3 +153,42 @@ def test_a_class_whose_forward_is_replaced_is_looked_at_again(monkeypatch):
     monkeypatch.setattr(PatchedLater, "forward", lambda self, x: x + 1)
     discovery.adapt()
     assert looked_at == [PatchedLater]
+
+
+class StackedExpertLoop:
+    """A plain helper object (not an nn.Module) that runs the expert loop over stacked weights, held by
+    the layer (ktransformers' `KExpertsTorch`, written afresh): looked at beside the layer's class."""
+
+    def __init__(self, experts: int, hidden: int, generator: torch.Generator):
+        self.gate = torch.randn(experts, 2 * hidden, hidden, generator=generator) / hidden**0.5
+        self.up = torch.randn(experts, 2 * hidden, hidden, generator=generator) / hidden**0.5
+        self.down = torch.randn(experts, hidden, 2 * hidden, generator=generator) / (2 * hidden) ** 0.5
+
+    def run(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(ids, num_classes=self.gate.shape[0]).permute(2, 1, 0)
+        for e in range(self.gate.shape[0]):
+            slot, token = torch.where(mask[e])
+            h = x[token]
+            y = (torch.nn.functional.silu(h @ self.gate[e].T) * (h @ self.up[e].T)) @ self.down[e].T
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+
+class LayerWithALoopHelper(torch.nn.Module):
+    def __init__(self, experts=4, hidden=8):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.loop = StackedExpertLoop(experts, hidden, torch.Generator().manual_seed(0))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), 2)
+        return self.loop.run(x, ids, weights)
+
+
+def test_an_expert_loop_in_a_helper_object_beside_the_layer_is_captured_and_fused():
+    torch.manual_seed(0)
+    model, inputs = LayerWithALoopHelper().eval(), (torch.randn(6, 8),)
+    report, output = explain_and_run(model, *inputs, options={"inner": "eager", "target": "portable"})
+    assert (report.graph_count, report.graph_break_count, len(report.fused)) == (1, 0, 1), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

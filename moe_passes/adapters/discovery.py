@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import types
 import weakref
 
@@ -23,12 +24,12 @@ _examined: weakref.WeakKeyDictionary[type, tuple[int, ...]] = weakref.WeakKeyDic
 
 
 def _methods_of(cls: type) -> tuple[int, ...]:
-    """The identities of the functions `cls` and its nn.Module bases define (ids, not the functions: a
-    function using super() refers to its class, and would keep a deleted class alive)."""
+    """The identities of the functions `cls` and its bases define, nn.Module's and object's aside (ids, not
+    the functions: a function using super() refers to its class, and would keep a deleted class alive)."""
     return tuple(
         id(value)
         for base in cls.__mro__
-        if base is not torch.nn.Module and issubclass(base, torch.nn.Module)
+        if base is not torch.nn.Module and base is not object
         for value in vars(base).values()
         if isinstance(value, (types.FunctionType, staticmethod, classmethod))
     )
@@ -63,10 +64,37 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
         if _install_adapters(cls):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
         _examined[cls] = _methods_of(cls)  # after installing: the adapted methods are the ones to keep
+        for helper in _helper_classes_beside(cls):
+            if _install_loop_adapters(helper):
+                adapted.append(f"{helper.__module__}.{helper.__qualname__}")
+            _examined[helper] = _methods_of(helper)
     from . import vllm
 
     adapted.extend(vllm.install_if_loaded())
     return adapted
+
+
+def _helper_classes_beside(cls: type) -> list[type]:
+    """The plain classes (not nn.Module) defined in `cls`'s module and not looked at yet: MoE code often
+    runs its expert loop in a helper object the layer holds (ktransformers' `KExpertsTorch`)."""
+    module = sys.modules.get(cls.__module__)
+    found = []
+    for value in list(vars(module).values()) if module is not None else ():
+        if (isinstance(value, type) and value.__module__ == cls.__module__ and not issubclass(value, torch.nn.Module)
+                and _examined.get(value) != _methods_of(value)):
+            found.append(value)
+    return found
+
+
+def _install_loop_adapters(cls: type) -> bool:
+    """Install the expert-loop adapter on a plain helper class; False where it takes nothing (or the class
+    cannot be read: a helper is looked at on the side, and never stops a compile)."""
+    try:
+        loops = hit_expert_loops.adaptations_of(cls)
+    except Exception as error:  # noqa: BLE001 - an unreadable helper class is left as written
+        log.debug("helper class %s.%s not read: %s", cls.__module__, cls.__qualname__, error)
+        return False
+    return any([install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()])
 
 
 def _install_adapters(cls: type) -> bool:
