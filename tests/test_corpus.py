@@ -32,7 +32,7 @@ OUTCOMES = {
     "deepseek_v3_hub_moe_infer": "fused",
     "deepseek_v3_inference": "fused",
     "deepseek_vl2_moe": "fused",
-    "esft_deepseek_moe": "no candidate",
+    "esft_deepseek_moe": "fused",
     "fairseq_moe": "declined",
     "gpt_oss_torch_reference": "fused",
     "grok1_moe": "declined",

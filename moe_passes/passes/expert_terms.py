@@ -84,6 +84,11 @@ class ExpertTerm:
     # How the output reaches the rows: "adds" (index_add), "rewrites" (out[tok] += y: read, added and
     # written back, so rows must not repeat) or "stores" (out[mask] = y: no other expert may write them).
     rows_write: str = "adds"
+    # Rows in slot space (DeepSeek-V2's training loop: `y = empty_like(x.repeat_interleave(k))`, then
+    # `y[ids.view(-1) == e] = MLP_e(...)` and `(y.view(T, k, H) * w[..., None]).sum(1)`): `rows` picks
+    # slots, slot s is token s // k, and the coefficient is the [T, k] table the combine reads at slot s.
+    # With rows_write "fills" the buffer held nothing: every slot must be stored by exactly one expert.
+    slots_per_token: int | None = None
     # GPT-OSS experts: interleaved gate/up with per-expert biases and the clamped swiglu.
     swiglu: ClampedSwiglu | None = None
     gate_up_bias: Node | None = None
@@ -450,6 +455,14 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
         out_shape = tuple(int(d) for d in probe.concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
         return _token_axis_values(_coefficient_value(term, env), out_shape, tokens)
     rows = _row_indices(env[term.rows])
+    if term.slots_per_token is not None:
+        k = term.slots_per_token
+        table = _coefficient_value(term, env)
+        if rows.dim() != 1 or rows.dtype.is_floating_point or tuple(table.shape) != (tokens, k):
+            return None
+        if bool(((rows < 0) | (rows >= tokens * k)).any()) or rows.unique().numel() != rows.numel():
+            return None
+        return torch.zeros(tokens, dtype=table.dtype).index_add_(0, rows // k, table.reshape(-1)[rows])
     if rows.dim() != 1 or rows.dtype.is_floating_point or bool(((rows < 0) | (rows >= tokens)).any()):
         return None
     if term.rows_write != "adds" and rows.unique().numel() != rows.numel():
@@ -477,8 +490,23 @@ def _stores_overlap(envs_per_term, terms) -> bool:
     for envs in zip(*envs_per_term, strict=True):
         rows = [_row_indices(env[term.rows]) for env, term in zip(envs, terms, strict=True) if term.rows is not None]
         stored = [r for r, term in zip(rows, [t for t in terms if t.rows is not None], strict=True)
-                  if term.rows_write == "stores"]
+                  if term.rows_write in ("stores", "fills")]
         if stored and torch.cat(rows).unique().numel() != sum(r.numel() for r in rows):
+            return True
+    return False
+
+
+def _slots_left_unfilled(envs_per_term, terms, tokens: int) -> bool:
+    """Some slot of a "fills" buffer is stored by no expert under a probe (stores are disjoint already)."""
+    filling = [t for t in terms if t.rows_write == "fills"]
+    if not filling:
+        return False
+    if len(filling) != len(terms) or len({t.slots_per_token for t in filling}) != 1:
+        return True
+    slots = tokens * filling[0].slots_per_token
+    for envs in zip(*envs_per_term, strict=True):
+        written = sum(_row_indices(env[term.rows]).numel() for env, term in zip(envs, terms, strict=True))
+        if written != slots:
             return True
     return False
 
@@ -488,6 +516,11 @@ def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, ter
     router's experts (expert parallelism: this rank's experts; the others contribute zero here)."""
     if _stores_overlap(envs_per_term, terms):
         return NoMatch("experts store their outputs (`out[rows] = y`) at rows another expert writes too")
+    if _slots_left_unfilled(envs_per_term, terms, tokens):
+        return NoMatch(
+            "the experts store their outputs into an uninitialised buffer (`empty_like`) and leave some of its "
+            "rows unwritten under a routing: those rows hold whatever memory held"
+        )
     order: dict[int, int] = {}
     for index, term in enumerate(terms):
         matches = None
@@ -556,7 +589,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
             return NoMatch(NOT_SCATTERED)
         width = int(probe.concrete(shape(table)[1]))
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
-    if any(t.rows_write == "stores" for t in terms):
+    if any(t.rows_write == "stores" and t.slots_per_token is None for t in terms):  # stores at token rows
         if top_k > 1:
             return NoMatch(STORES_UNDER_TOP_K)
         probes += probe.crowded_probes(tokens, 1, width, dtype(weights))  # no id in two experts' masks

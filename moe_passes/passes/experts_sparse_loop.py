@@ -17,6 +17,11 @@ for dense loops.
 The links may also be `scatter_add` / `scatter_reduce(..., "sum")` over the rows repeated along the
 hidden dim, and the rows a segment of the slots sorted by expert, cut at offsets read from the counts
 (DeepSeek-MoE's `moe_infer`: `order[offsets[e-1]:offsets[e]] // k`); the probes check those too.
+
+A chain may also store into an uninitialised buffer of slots (DeepSeek-V2's training loop, ESFT):
+`y = empty_like(x.repeat_interleave(k))`, `y[ids.view(-1) == e] = MLP_e(xs[ids.view(-1) == e])`, then
+`(y.view(T, k, H) * w[..., None]).sum(1)`. Its terms' rows are slots (token s // k); the probes check
+that the experts' stores cover every slot once and that each token gets its routing weight per expert.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ..fx_utils import (
 from .expert_terms import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
+from .slots import repeated_rows
 
 aten = torch.ops.aten
 FORM = "sparse_loop"
@@ -186,13 +192,51 @@ def _is_chain_end(node: Node) -> bool:
 
 
 def _chain(end: Node) -> list[Node] | None:
-    """The accumulation steps into `end`, first to last, when the accumulator starts at zero."""
+    """The accumulation steps into `end`, first to last, when the accumulator starts at zero, or when
+    it starts uninitialised (`empty_like`) and every step stores (`_fills`)."""
     links = []
     node = end
     while link_parts(node) is not None:
         links.append(node)
         node = link_parts(node)[0]
-    return links[::-1] if is_zero_init(node) else None
+    return links[::-1] if is_zero_init(node) or _fills(node, links) else None
+
+
+_UNINITIALISED = (aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default)
+
+
+def _fills(base: Node, links: list[Node]) -> bool:
+    """Stores at masks into a buffer that holds nothing yet: the experts must write every row (checked
+    on the probes, where the rows are the routing's slots)."""
+    return is_call(strip_casts(base), *_UNINITIALISED) and all(link_parts(n)[4] == "stores" for n in links)
+
+
+def _slot_combine(end: Node, top_k: int) -> tuple[Node, Node] | None:
+    """(the sum, the [T, k] weights) when the stored buffer's one use is (buf.view(T, k, H) * w[..., None])
+    .sum(1): slot s of the buffer is token s // k's slot s % k, weighted by w and summed per token."""
+    node = through_trailing_cast(end)
+    if len(node.users) != 1:
+        return None
+    viewed = next(iter(node.users))
+    dims = shape(viewed)
+    if not is_call(viewed, aten.view.default, aten.reshape.default, aten._unsafe_view.default) or len(
+            dims or ()) != 3 or const_int(dims[1]) != top_k or len(viewed.users) != 1:
+        return None
+    product = next(iter(viewed.users))
+    if not is_call(product, aten.mul.Tensor) or len(product.users) != 1:
+        return None
+    table = product.args[1] if product.args[0] is viewed else product.args[0]
+    if not isinstance(table, Node) or not is_call(table, aten.unsqueeze.default) or table.args[1] not in (-1, 2):
+        return None
+    weights = table.args[0]
+    total = next(iter(product.users))
+    args = arguments(total) or {}
+    if not is_call(total, aten.sum.dim_IntList) or list(args.get("dim") or ()) not in ([1], [-2]) or args.get(
+            "keepdim"):
+        return None
+    if shape(weights) is None or len(shape(weights)) != 2 or const_int(shape(weights)[1]) != top_k:
+        return None
+    return total, weights
 
 
 def _gather_source(rows_value: Node, index: Node) -> Node | None:
@@ -215,6 +259,11 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, end, at)
 
+    base = link_parts(links[0])[0]
+    while link_parts(base) is not None:
+        base = link_parts(base)[0]
+    if _fills(base, links):
+        return _match_slot_stores(end, links)
     links = _before_trailing_non_mlps(links)
     end = links[-1]
     terms: list[ExpertTerm] = []
@@ -272,6 +321,77 @@ def _before_trailing_non_mlps(links: list[Node]) -> list[Node]:
         return links
     last = len(mlps) - 1 - mlps[::-1].index(True)
     return links[: last + 1] if last >= 1 and all(mlps[: last + 1]) else links
+
+
+def _match_slot_stores(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
+    """Experts storing into an uninitialised buffer of slots: y = empty_like(x.repeat_interleave(k));
+    `y[ids.view(-1) == e] = MLP_e(y_rows)` per expert; out = (y.view(T, k, H) * w[..., None]).sum(1).
+
+    Exact where every slot is stored once, by the expert its id names, from its token's row: the rows each
+    term gathers are the repeated hidden states at the slots it stores (read here), and which slots each
+    expert stores, that they cover the buffer without overlap, and the weight each token gets are checked
+    on the probes (`expert_terms`)."""
+
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, end, at)
+
+    terms: list[ExpertTerm] = []
+    repeated = None
+    for link in links:
+        _, _, index, source, _ = link_parts(link)
+        term = read_term(source) if isinstance(source, Node) else None
+        if term is None or term.input_scaled_by is not None or term.coefficient is not None:
+            return no("an expert's stored output is not a gated MLP of the rows it stores at", source)
+        gathered = strip_shape_ops(term.hidden)
+        rows = None
+        if is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1 and _same_value(
+                gathered.args[1][0], index):  # `y[m] = MLP(rows[m])` spells m twice: two equal nodes
+            rows = gathered.args[0]
+        if rows is None or (repeated is not None and not _same_value(rows, repeated)):
+            return no("an expert's input rows are not the buffer's rows at the slots it stores", term.hidden)
+        repeated = rows
+        terms.append(term)
+    top_k = _repeat_count(repeated)
+    hidden = repeated_rows(repeated, top_k) if top_k is not None else None
+    if hidden is None:
+        return no("the stored slots are not the tokens repeated k times (repeat_interleave)", repeated)
+    combine = _slot_combine(end, top_k)
+    if combine is None:
+        return no("the stored slots are not summed per token with the routing weights "
+                  "((y.view(T, k, H) * w[..., None]).sum(1))", end)
+    root, weights = combine
+    terms = [dataclasses.replace(t, hidden=strip_shape_ops(hidden), rows=link_parts(link)[2], rows_write="fills",
+                                 coefficient=weights, slots_per_token=top_k)
+             for t, link in zip(terms, links, strict=True)]
+    return match_terms(root, terms, FORM)
+
+
+def _same_value(a: object, b: object, depth: int = 4) -> bool:
+    """`a` and `b` are one node, or the same op of the same arguments (the graph is functional: equal
+    calls give equal values), compared `depth` levels up."""
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+        return False
+    if a.op != "call_function" or b.op != "call_function" or a.target is not b.target or a.kwargs != b.kwargs:
+        return False
+    if len(a.args) != len(b.args):
+        return False
+    return all(
+        _same_value(x, y, depth - 1) if isinstance(x, Node) or isinstance(y, Node) else x == y
+        for x, y in zip(a.args, b.args, strict=True)
+    )
+
+
+def _repeat_count(node: Node) -> int | None:
+    """k when `node` reads x.repeat_interleave(k, dim=0) (ATen: expand(x[:, None], [T, k, H]), viewed)."""
+    while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
+        node = node.args[0]
+    if is_call(node, aten.expand.default) and len(node.args[1]) == 3:
+        return const_int(list(node.args[1])[1])
+    if is_call(node, aten.repeat_interleave.self_int):
+        return const_int(node.args[1])
+    return None
 
 
 def _scaled_after(out: Node) -> tuple[Node, Node] | None:
