@@ -597,6 +597,38 @@ class GuardWithADataElif(MaskAnyGuard):
         return out
 
 
+class MaskReboundBeforeTheGuard(MaskAnyGuard):
+    """The rows come from the first `chosen`; the guard tests a re-bound one (slot 0 only): kept."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            rows = chosen.any(dim=-1).nonzero().flatten()
+            weight = (weights * chosen).sum(-1, keepdim=True)
+            chosen = ids[:, :1] == e
+            if chosen.any():
+                out.index_add_(0, rows, expert(x[rows]) * weight[rows])
+        return out
+
+
+class RowsReboundInsideTheGuard(MaskAnyGuard):
+    """An emptiness guard on rows re-bound inside it to more rows: the accumulation's rows are not the
+    tested ones, so the guard is kept (the rows' earlier binding is forgotten at the re-binding)."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel() > 0:
+                token = torch.cat([token, token[:1]])
+                slot = torch.cat([slot, slot[:1]])
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
 @pytest.mark.parametrize("tokens", [6, 1], ids=["default", "decode"])
 def test_a_mask_any_guard_is_removed_and_the_loop_fused(tokens):
     torch.manual_seed(0)
@@ -608,7 +640,10 @@ def test_a_mask_any_guard_is_removed_and_the_loop_fused(tokens):
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
-@pytest.mark.parametrize("cls", [GuardOnAnotherMask, GuardWithADataElif], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [GuardOnAnotherMask, GuardWithADataElif, MaskReboundBeforeTheGuard, RowsReboundInsideTheGuard],
+    ids=lambda c: c.__name__,
+)
 def test_a_mask_guard_the_source_does_not_prove_is_kept(cls):
     torch.manual_seed(0)
     model = cls().eval()

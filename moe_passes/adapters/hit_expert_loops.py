@@ -650,8 +650,9 @@ def _check_body(
     rows: dict[str, int] = dict(given_rows or {})  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
-    mask_guards: list[tuple[int, str]] = []  # (line of `if M.any():`, M)
-    masks_of: dict[str, str] = {}  # rows name -> the mask whose non-zero entries they are
+    mask_guards: list[tuple[int, tuple]] = []  # (line of `if M.any():`, (M, its binding then))
+    masks_of: dict[str, tuple] = {}  # rows name -> (the mask whose non-zero entries they are, its binding)
+    versions: dict[str, int] = {}  # name -> how many times the body has bound it so far
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     skips: list[int] = []
     loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
@@ -670,10 +671,16 @@ def _check_body(
                 names = [n for t in targets for n in stored_names(t)]
                 if var in names:
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
-                rows.update(dict.fromkeys(_rows_names(stmt, mask, var), stmt.lineno))
-                if (masked := _mask_of_rows(stmt.value)) is not None:
-                    masks_of.update(dict.fromkeys(stored_names(targets[0]), masked))
-                if (cut := _cut_rows(stmt, rows)) is not None:
+                selected, cut = _rows_names(stmt, mask, var), _cut_rows(stmt, rows)
+                masked = _mask_of_rows(stmt.value)
+                for name in names:  # a re-bound name no longer holds what an earlier statement bound to it
+                    rows.pop(name, None)
+                    masks_of.pop(name, None)
+                    versions[name] = versions.get(name, 0) + 1
+                rows.update(dict.fromkeys(selected, stmt.lineno))
+                if masked is not None:
+                    masks_of.update(dict.fromkeys(stored_names(targets[0]), (masked, versions.get(masked))))
+                if cut is not None:
                     rows[cut] = stmt.lineno  # the first rows of rows empty for an expert not hit: empty too
                 bound.update(names)
             elif isinstance(stmt, ast.With):
@@ -693,7 +700,7 @@ def _check_body(
                     tested in stored_names(t) for n in stmt.body for a in ast.walk(n)
                     if isinstance(a, ast.Assign | ast.AugAssign | ast.AnnAssign)
                     for t in (a.targets if isinstance(a, ast.Assign) else [a.target])):
-                mask_guards.append((stmt.lineno, tested))  # its static `elif` arm is kept under its own test
+                mask_guards.append((stmt.lineno, (tested, versions.get(tested))))  # the `elif` arm stays, as written
                 visit(stmt.body)
             elif (source := _skip_when_empty(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
@@ -720,8 +727,8 @@ def _check_body(
     for line, tested in mask_guards:
         if masks_of.get(accumulated_at) != tested:
             raise NotAdaptable(
-                f"line {line}: the guard tests {tested}, not the mask whose non-zero entries the accumulation's "
-                "rows are"
+                f"line {line}: the guard tests {tested[0]} as bound there, not the mask whose non-zero entries "
+                "the accumulation's rows are"
             )
         guards.append((line, accumulated_rows))
     for line, counts in count_guards:
