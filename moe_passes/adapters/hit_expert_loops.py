@@ -795,15 +795,13 @@ def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
     """The line that bound the accumulation's rows, when it is one accumulation into an outer tensor."""
     line = acc.lineno
     if isinstance(acc, ast.AugAssign):
-        target, index = acc.target.value, acc.target.slice
+        target = acc.target.value
         if not isinstance(acc.op, ast.Add):
             raise NotAdaptable(f"line {line}: the accumulation is not `+=`")
     else:
         target = acc.func.value
-        method = acc.func.attr
-        if method == "index_add_":
+        if acc.func.attr == "index_add_":
             dim = acc.args[0] if acc.args else next((k.value for k in acc.keywords if k.arg == "dim"), None)
-            index = acc.args[1] if len(acc.args) > 1 else next((k.value for k in acc.keywords if k.arg == "index"), None)
             if not (isinstance(dim, ast.Constant) and dim.value == 0):
                 raise NotAdaptable(f"line {line}: index_add_ along another dim than 0")
         else:  # index_put_((rows,), values, accumulate=True)
@@ -812,15 +810,14 @@ def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
                 accumulate = acc.args[2]
             if not (isinstance(accumulate, ast.Constant) and accumulate.value is True):
                 raise NotAdaptable(f"line {line}: index_put_ without accumulate=True")
-            indices = acc.args[0] if acc.args else None
-            index = indices.elts[0] if isinstance(indices, ast.Tuple | ast.List) and len(indices.elts) == 1 else None
     if not isinstance(target, ast.Name) or target.id in bound:
         raise NotAdaptable(f"line {line}: the accumulator is not a tensor defined before the loop")
-    if not (isinstance(index, ast.Name) and index.id in rows):
+    index = _accumulation_index(acc)
+    if index not in rows:
         raise NotAdaptable(
             f"line {line}: the accumulated rows are not the non-zero entries of the expert's mask row"
         )
-    return rows[index.id]
+    return rows[index]
 
 
 def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> None:

@@ -46,7 +46,7 @@ from ..fx_utils import (
 from .expert_terms import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
-from .slots import repeated_rows
+from .slots import repeat_interleaved
 
 aten = torch.ops.aten
 FORM = "sparse_loop"
@@ -259,10 +259,7 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, end, at)
 
-    base = link_parts(links[0])[0]
-    while link_parts(base) is not None:
-        base = link_parts(base)[0]
-    if _fills(base, links):
+    if _fills(link_parts(links[0])[0], links):  # `_chain` starts at the link whose input is the buffer
         return _match_slot_stores(end, links)
     links = _before_trailing_non_mlps(links)
     end = links[-1]
@@ -351,10 +348,10 @@ def _match_slot_stores(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
             return no("an expert's input rows are not the buffer's rows at the slots it stores", term.hidden)
         repeated = rows
         terms.append(term)
-    top_k = _repeat_count(repeated)
-    hidden = repeated_rows(repeated, top_k) if top_k is not None else None
-    if hidden is None:
+    found = repeat_interleaved(repeated)
+    if found is None:
         return no("the stored slots are not the tokens repeated k times (repeat_interleave)", repeated)
+    hidden, top_k = found
     combine = _slot_combine(end, top_k)
     if combine is None:
         return no("the stored slots are not summed per token with the routing weights "
@@ -381,17 +378,6 @@ def _same_value(a: object, b: object, depth: int = 4) -> bool:
         _same_value(x, y, depth - 1) if isinstance(x, Node) or isinstance(y, Node) else x == y
         for x, y in zip(a.args, b.args, strict=True)
     )
-
-
-def _repeat_count(node: Node) -> int | None:
-    """k when `node` reads x.repeat_interleave(k, dim=0) (ATen: expand(x[:, None], [T, k, H]), viewed)."""
-    while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
-        node = node.args[0]
-    if is_call(node, aten.expand.default) and len(node.args[1]) == 3:
-        return const_int(list(node.args[1])[1])
-    if is_call(node, aten.repeat_interleave.self_int):
-        return const_int(node.args[1])
-    return None
 
 
 def _scaled_after(out: Node) -> tuple[Node, Node] | None:

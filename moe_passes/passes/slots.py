@@ -633,16 +633,23 @@ def _fresh(node: object) -> bool:
 
 
 def repeated_rows(node: Node, top_k: int) -> Node | None:
-    """x when node is x.repeat_interleave(k, dim=0), which ATen spells expand(x[:, None], [T, k, H])."""
+    """x when node is x.repeat_interleave(k, dim=0) with k = top_k (`repeat_interleaved`)."""
+    found = repeat_interleaved(node)
+    return found[0] if found is not None and found[1] == top_k else None
+
+
+def repeat_interleaved(node: Node) -> tuple[Node, int] | None:
+    """(x, k) when node is x.repeat_interleave(k, dim=0), which ATen spells expand(x[:, None], [T, k, H])."""
     while is_call(node, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.reshape.default):
         node = node.args[0]
     if is_call(node, aten.expand.default):
         source, sizes = node.args[0], list(node.args[1])
         if is_call(source, aten.unsqueeze.default) and source.args[1] == 1 and len(sizes) == 3:
-            if const_int(sizes[1]) == top_k:
-                return source.args[0]
-    if is_call(node, aten.repeat_interleave.self_int) and const_int(node.args[1]) == top_k:
-        return node.args[0]
+            k = const_int(sizes[1])
+            return (source.args[0], k) if k is not None else None
+    if is_call(node, aten.repeat_interleave.self_int):
+        k = const_int(node.args[1])
+        return (node.args[0], k) if k is not None else None
     return None
 
 
