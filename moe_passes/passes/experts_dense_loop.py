@@ -20,6 +20,7 @@ from ..fx_utils import backward_slice, is_call, strip_casts
 from .expert_terms import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
+from .mixtures import dense_gate, dense_reason, over_experts
 
 aten = torch.ops.aten
 
@@ -99,6 +100,8 @@ def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
     """
     root, members, terms = accumulation.root, accumulation.members, accumulation.terms
     result = match_terms(root, members, FORM)
+    if isinstance(result, Decline) and _densely_gated(members):
+        return Decline(FORM, dense_reason(len(members), soft=False), root, result.stopped_at)
     if isinstance(result, ExpertsMatch) or not is_call(root, aten.add.Tensor):
         return result
     inner, last = root.args[0], root.args[1]
@@ -114,6 +117,14 @@ def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
         if coefficient is not None and peeled.ids in backward_slice(coefficient, ()):
             return result
     return peeled
+
+
+def _densely_gated(members: list[ExpertTerm]) -> bool:
+    """Every term is weighted by a softmax over the experts that nothing selects from (mixtures.py)."""
+    return all(
+        t.coefficient is not None and not t.more_factors and t.rows is None and over_experts(dense_gate(t.coefficient, t.term), len(members))
+        for t in members
+    )
 
 
 FINDER = Finder(
