@@ -195,20 +195,26 @@ def escaping_users(region: set[Node], output: Node) -> list[tuple[Node, Node]]:
     return escapes
 
 
-def within(node: Node, depth: int, predicate) -> bool:
-    """True when some ancestor of `node` at most `depth` steps up satisfies `predicate` (breadth-first)."""
-    frontier, seen = [node], {node}
-    for _ in range(depth + 1):
-        if any(predicate(n) for n in frontier):
-            return True
+def ancestors(node: Node, depth: int | None = None, limit: int | None = None) -> list[Node]:
+    """`node` and the nodes it depends on, nearest first (breadth-first): at most `depth` steps up, and
+    no more than about `limit` nodes (the level that reaches it is kept whole)."""
+    seen, order, frontier = {node}, [node], [node]
+    steps = 0
+    while frontier and (depth is None or steps < depth) and (limit is None or len(order) < limit):
         nxt = []
         for n in frontier:
             for parent in n.all_input_nodes:
                 if parent not in seen:
                     seen.add(parent)
                     nxt.append(parent)
-        frontier = nxt
-    return False
+        order.extend(nxt)
+        frontier, steps = nxt, steps + 1
+    return order
+
+
+def within(node: Node, depth: int, predicate) -> bool:
+    """True when some ancestor of `node` at most `depth` steps up satisfies `predicate` (breadth-first)."""
+    return any(predicate(n) for n in ancestors(node, depth=depth))
 
 
 def source_line(node: Node) -> str:

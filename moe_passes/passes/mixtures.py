@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..fx_utils import TRANSPOSE_OPS, is_call, shape
+from ..fx_utils import TRANSPOSE_OPS, ancestors, is_call, shape
 
 aten = torch.ops.aten
 
@@ -28,7 +28,7 @@ GATE_OPS = (aten._softmax.default, aten.softmax.int, aten._safe_softmax.default)
 MATMUL_OPS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default)
 
 # How far the readers look: an expert's private computation, and the path from its outputs to the combine.
-EXPERT_DEPTH = 40
+EXPERT_REACH = 40
 COMBINE_DEPTH = 12
 
 
@@ -45,21 +45,6 @@ def _weight_of(node: Node) -> Node:
     return node
 
 
-def _ancestors(node: Node, limit: int) -> list[Node]:
-    """Up to `limit` nodes `node` depends on, nearest first (breadth-first)."""
-    seen, order, frontier = {node}, [node], [node]
-    while frontier and len(order) < limit:
-        nxt = []
-        for n in frontier:
-            for parent in n.all_input_nodes:
-                if parent not in seen:
-                    seen.add(parent)
-                    order.append(parent)
-                    nxt.append(parent)
-        frontier = nxt
-    return order
-
-
 def _projection_weights(nodes: list[Node]) -> list[Node]:
     """The weight inputs of the matmuls among `nodes`."""
     return [_weight_of(a) for n in nodes if is_call(n, *MATMUL_OPS) for a in n.all_input_nodes if _is_weight(a)]
@@ -70,7 +55,7 @@ def expert_bank(outputs: list[Node]) -> list[list[Node]] | None:
     other output reads, of the same shapes in the same order. None otherwise."""
     if len(outputs) < 2 or len(set(outputs)) != len(outputs):
         return None
-    reads = [_projection_weights(_ancestors(out, EXPERT_DEPTH)) for out in outputs]
+    reads = [_projection_weights(ancestors(out, limit=EXPERT_REACH)) for out in outputs]
     counts: dict[Node, int] = {}
     for weights in reads:
         for w in set(weights):
@@ -97,12 +82,12 @@ def _between(start: Node, end: Node, limit: int) -> set[Node] | None:
             break
     if end not in reach:
         return None
-    return {n for n in _ancestors(end, 10 * limit) if n in reach}
+    return {n for n in ancestors(end, limit=10 * limit) if n in reach}
 
 
 def dense_gate(weights: Node, combine: Node) -> Node | None:
     """The softmax behind `weights` when nothing between it and `combine` selects: a dense gate."""
-    for node in _ancestors(weights, COMBINE_DEPTH):
+    for node in ancestors(weights, limit=COMBINE_DEPTH):
         if is_call(node, *GATE_OPS):
             path = _between(node, combine, COMBINE_DEPTH)
             if path is not None and _selects(path) is None:
@@ -131,7 +116,7 @@ def read_dense_mixture(outputs: list[Node], merged: Node) -> tuple[str, Node] | 
     own = expert_bank(outputs)
     if own is None:
         return None
-    expert_side = set(_ancestors(merged, EXPERT_DEPTH * len(outputs)))
+    expert_side = set(ancestors(merged, limit=EXPERT_REACH * len(outputs)))
     reach, frontier = {merged}, [merged]
     for _ in range(COMBINE_DEPTH):
         frontier = [u for n in frontier for u in n.users if u not in reach]
@@ -159,15 +144,15 @@ def over_experts(gate: Node | None, num_experts: int) -> bool:
 
 def _dispatched_by(gate: Node, expert_side: set[Node]) -> bool:
     """Soft MoE: the experts' inputs are mixed by a softmax of the same logits as the combine's."""
-    logits = set(_ancestors(gate.args[0], 4))
+    logits = set(ancestors(gate.args[0], limit=4))
     return any(
-        is_call(n, *GATE_OPS) and n is not gate and logits & set(_ancestors(n.args[0], 4)) for n in expert_side
+        is_call(n, *GATE_OPS) and n is not gate and logits & set(ancestors(n.args[0], limit=4)) for n in expert_side
     )
 
 
 def _private_nodes(outputs: list[Node]) -> set[Node]:
     """The nodes only one of the expert outputs depends on (within the readers' depth)."""
-    slices = [set(_ancestors(out, EXPERT_DEPTH)) for out in outputs]
+    slices = [set(ancestors(out, limit=EXPERT_REACH)) for out in outputs]
     counts: dict[Node, int] = {}
     for s in slices:
         for n in s:
