@@ -252,7 +252,7 @@ def _gather_source(rows_value: Node, index: Node) -> Node | None:
     return None
 
 
-def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
+def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
     """The match for one accumulation chain: (its last link, every link first to last)."""
     end, links = chain
 
@@ -272,6 +272,8 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline:
         if cut is not None:
             return no(CUT_TO_CAPACITY, cut)
         term = read_term(source)
+        if term is None and strip_shape_ops(strip_casts(source)).op == "placeholder":
+            return None  # the experts ran in another graph (a graph break before them): nothing to read here
         if term is None:
             return no("an expert's scattered output is not a gated MLP of the gathered tokens", source)
         rows_value = term.hidden
