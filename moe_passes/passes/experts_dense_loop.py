@@ -122,7 +122,8 @@ def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
 def _densely_gated(members: list[ExpertTerm]) -> bool:
     """Every term is weighted by a softmax over the experts that nothing selects from (mixtures.py)."""
     return all(
-        t.coefficient is not None and not t.more_factors and t.rows is None and over_experts(dense_gate(t.coefficient, t.term), len(members))
+        t.coefficient is not None and not t.more_factors and t.rows is None
+        and over_experts(dense_gate(t.coefficient, t.term), len(members))
         for t in members
     )
 

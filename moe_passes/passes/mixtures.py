@@ -11,6 +11,8 @@ its weights meet the expert outputs: no top-k, sort, arg-max, threshold or gathe
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.fx import Node
 
@@ -32,22 +34,27 @@ EXPERT_REACH = 40
 COMBINE_DEPTH = 12
 
 
-def _is_weight(node: object) -> bool:
-    """A graph input of two or more dims (a parameter, once dynamo lifts it), read through transposes."""
-    while is_call(node, *TRANSPOSE_OPS):
-        node = node.args[0]
-    return isinstance(node, Node) and node.op in ("placeholder", "get_attr") and len(shape(node) or ()) >= 2
-
-
 def _weight_of(node: Node) -> Node:
+    """`node` read through transposes."""
     while is_call(node, *TRANSPOSE_OPS):
         node = node.args[0]
     return node
 
 
+def _is_weight(node: Node) -> bool:
+    """A graph input of two or more dims (a parameter, once dynamo lifts it)."""
+    return node.op in ("placeholder", "get_attr") and len(shape(node) or ()) >= 2
+
+
 def _projection_weights(nodes: list[Node]) -> list[Node]:
-    """The weight inputs of the matmuls among `nodes`."""
-    return [_weight_of(a) for n in nodes if is_call(n, *MATMUL_OPS) for a in n.all_input_nodes if _is_weight(a)]
+    """The weight inputs of the matmuls among `nodes`, read through transposes."""
+    return [w for n in nodes if is_call(n, *MATMUL_OPS) for w in map(_weight_of, n.all_input_nodes) if _is_weight(w)]
+
+
+def _held_once(groups: list[list[Node]]) -> set[Node]:
+    """The nodes that appear in exactly one of `groups`."""
+    counts = Counter(n for group in groups for n in set(group))
+    return {n for n, count in counts.items() if count == 1}
 
 
 def expert_bank(outputs: list[Node]) -> list[list[Node]] | None:
@@ -56,11 +63,8 @@ def expert_bank(outputs: list[Node]) -> list[list[Node]] | None:
     if len(outputs) < 2 or len(set(outputs)) != len(outputs):
         return None
     reads = [_projection_weights(ancestors(out, limit=EXPERT_REACH)) for out in outputs]
-    counts: dict[Node, int] = {}
-    for weights in reads:
-        for w in set(weights):
-            counts[w] = counts.get(w, 0) + 1
-    own = [[w for w in weights if counts[w] == 1] for weights in reads]
+    private = _held_once(reads)
+    own = [[w for w in weights if w in private] for weights in reads]
     shapes = [tuple(tuple(shape(w) or ()) for w in weights) for weights in own]
     if not own[0] or any(s != shapes[0] for s in shapes):
         return None
@@ -113,8 +117,7 @@ def dense_reason(num_experts: int, soft: bool) -> str:
 def read_dense_mixture(outputs: list[Node], merged: Node) -> tuple[str, Node] | None:
     """(the reason, the combine node) when the expert outputs `outputs`, merged at `merged` (a stack or
     cat), are weighted by a dense softmax gate within a few ops; None when they are not a dense mixture."""
-    own = expert_bank(outputs)
-    if own is None:
+    if expert_bank(outputs) is None or _selects(_private_nodes(outputs)) is not None:
         return None
     expert_side = set(ancestors(merged, limit=EXPERT_REACH * len(outputs)))
     reach, frontier = {merged}, [merged]
@@ -125,7 +128,7 @@ def read_dense_mixture(outputs: list[Node], merged: Node) -> tuple[str, Node] | 
                 if arg in reach or arg in expert_side:
                     continue
                 gate = dense_gate(arg, node)
-                if gate is None or not over_experts(gate, len(outputs)) or _selects(_private_nodes(outputs)):
+                if not over_experts(gate, len(outputs)):
                     continue
                 return dense_reason(len(outputs), _dispatched_by(gate, expert_side)), node
         reach.update(frontier)
@@ -152,9 +155,4 @@ def _dispatched_by(gate: Node, expert_side: set[Node]) -> bool:
 
 def _private_nodes(outputs: list[Node]) -> set[Node]:
     """The nodes only one of the expert outputs depends on (within the readers' depth)."""
-    slices = [set(ancestors(out, limit=EXPERT_REACH)) for out in outputs]
-    counts: dict[Node, int] = {}
-    for s in slices:
-        for n in s:
-            counts[n] = counts.get(n, 0) + 1
-    return {n for n, c in counts.items() if c == 1}
+    return _held_once([ancestors(out, limit=EXPERT_REACH) for out in outputs])
