@@ -76,6 +76,10 @@ BY_TOKEN = ("index_add_by_token", "scatter_add_by_token", "index_put_by_token")
 ACCUMULATIONS = ("index_add_", "index_put_", "scatter_add_", "scatter_reduce_")
 # Dense loops: the [T, E] table of routing weights, in the spellings of that one step.
 TABLE_SPELLINGS = ("scatter", "scatter_add", "one_hot_sum", "index_put")
+# Dense einsums: how every expert's output reaches the result, by a [T, E] table (einsum, bmm_sum) or
+# picked at each token's ids and weighted (JetStream's Mixtral: y[arange(T)[:, None], ids]).
+PICKED_COMBINES = ("picked_index", "picked_expert_major", "picked_gather")
+DENSE_COMBINES = ("einsum", "bmm_sum", *PICKED_COMBINES)
 # Sparse loops: how each expert selects its tokens and writes its output back (a store at a boolean
 # token mask, `out[mask] = y`, is an accumulation only for top-1: otherwise the masks overlap).
 SELECTIONS = ("where_index_add", "mask_store")
@@ -139,7 +143,7 @@ def expect_fused(case: Case) -> bool | None:
     """
     if case.activation not in SUPPORTED_ACTIVATIONS or case.experts == "hit_loop":
         return False
-    if case.strict and case.experts.startswith("dense_"):
+    if case.strict and case.experts.startswith("dense_") and case.spelled("combine", "") not in PICKED_COMBINES:
         return False  # every expert on every token: strict refuses (a NaN in an unrouted expert would differ)
     if case.strict and case.dtype != "float32" and case.routing.startswith("sigmoid") and case.router_fp32:
         # float32 router weights scale bfloat16 expert outputs: a rounding strict refuses; a combine
@@ -202,7 +206,8 @@ def _spelling(draw, experts: str, storage: str) -> tuple[tuple[str, str], ...]:
         return (("perm", draw(st.sampled_from(SPELLINGS["perm"]))), ("counts", draw(st.sampled_from(SPELLINGS["counts"]))),
                 ("accumulate", draw(st.sampled_from(ACCUMULATIONS))))
     if experts == "dense_einsum":
-        return (("combine", draw(st.sampled_from(("einsum", "bmm_sum")))), ("table", draw(st.sampled_from(TABLE_SPELLINGS))))
+        combine = draw(st.sampled_from(DENSE_COMBINES))
+        return (("combine", combine),) if combine in PICKED_COMBINES else (("combine", combine), ("table", draw(st.sampled_from(TABLE_SPELLINGS))))
     if experts != "grouped_mm" or (storage != "separate" and draw(st.booleans())):
         return ()  # half the stacked grouped cases keep transformers' own spelling
     chosen = {step: draw(st.sampled_from(options)) for step, options in SPELLINGS.items()}
@@ -328,8 +333,11 @@ def dense_einsum(experts: Experts, x, ids, weights):
     """Every expert on every token as einsums over the stacks, combined by the [T, E] table (vLLM-Omni's
     dense experts); or, spelled "bmm_sum", bmm of the tokens expanded per expert and a product summed over
     the experts (tt-forge's batched DeepSeek-V3)."""
+    combine = experts.case.spelled("combine", "einsum")
+    if combine in PICKED_COMBINES:
+        return _picked_combine(experts, x, ids, weights, combine)
     table = routing_table(experts, x, ids, weights)
-    if experts.case.spelled("combine", "einsum") == "bmm_sum":
+    if combine == "bmm_sum":
         rows = x.unsqueeze(0).expand(experts.num_experts, -1, -1)
         if experts.storage == "separate":
             h = experts.act_fn(torch.bmm(rows, experts.gate.transpose(1, 2))) * torch.bmm(rows, experts.up.transpose(1, 2))
@@ -350,6 +358,27 @@ def dense_einsum(experts: Experts, x, ids, weights):
         h = experts.apply_gate(torch.einsum("td,eid->eti", x, experts.gate_up_proj))
         y = torch.einsum("eti,edi->etd", h, experts.down_proj)
     return torch.einsum("etd,te->td", y, table.to(y.dtype))
+
+
+def _picked_combine(experts: Experts, x, ids, weights, spelling: str):
+    """Every expert on every token as token-major einsums ([T, E, .]), then each token's chosen outputs
+    picked by its ids and weighted (JetStream's Mixtral), the pick spelled three ways."""
+    if experts.storage == "separate":
+        h = experts.act_fn(torch.einsum("td,eid->tei", x, experts.gate)) * torch.einsum("td,eid->tei", x, experts.up)
+        y = torch.einsum("tei,edi->ted", h, experts.down_proj)
+    elif experts.is_transposed:
+        h = experts.apply_gate(torch.einsum("td,edi->tei", x, experts.gate_up_proj))
+        y = torch.einsum("tei,eid->ted", h, experts.down_proj)
+    else:
+        h = experts.apply_gate(torch.einsum("td,eid->tei", x, experts.gate_up_proj))
+        y = torch.einsum("tei,edi->ted", h, experts.down_proj)
+    rows = torch.arange(x.shape[0], device=x.device)
+    w = weights.to(y.dtype)
+    if spelling == "picked_gather":
+        picked = y.gather(1, ids.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+        return (picked * w.unsqueeze(-1)).sum(dim=1)
+    picked = y[rows[:, None], ids] if spelling == "picked_index" else y.transpose(0, 1)[ids, rows.unsqueeze(1)]
+    return torch.einsum("tad,ta->td", picked, w)
 
 
 def sparse_loop(experts: Experts, x, ids, weights):

@@ -289,6 +289,32 @@ graph(in0, in1, in2, in3, in4, in5, in6):
   %13 = aten.add.Tensor(in2, %12)
   return [%13]""")
 
+    def test_corpus_jetstream_picked_outputs(self):
+        """JetStream's Mixtral (corpus): every expert on every token, each token's outputs picked at its
+        ids and weighted: one call; the all-experts einsums are gone."""
+        from form_catalog.corpus import jetstream_mixtral_moe
+
+        model, inputs = jetstream_mixtral_moe.build()
+        _, _, recorder = run_hpu_moe(model, inputs)
+        (graph,) = recorder.graphs
+        self.assertExpectedInline(format_graph(graph), """\
+graph(in0, in1, in2, in3, in4, in5, in6):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten._softmax(%4, -1, False)
+  %6 = aten.topk(%5, 2)
+  %7 = getitem(%6, 0)
+  %8 = getitem(%6, 1)
+  %9 = aten.sum.dim_IntList(%7, [-1], True)
+  %10 = aten.div.Tensor(%7, %9)
+  %11 = moe_passes.mixture_of_experts.stacked(%2, %8, %10, in4, in5, in6, True, 'silu', 0, 7)
+  %12 = aten.reshape(%11, [1, 7, 16])
+  %13 = aten.add.Tensor(in2, %12)
+  return [%13]""")
+
     def test_vllm_omni_dense_einsum(self):
         """vLLM-Omni's dense einsums over every expert and the one-hot [T, E] table: one default call."""
         self.assertExpectedInline(format_graph(rewritten_graph("vllm_omni_dense_einsum")), """\

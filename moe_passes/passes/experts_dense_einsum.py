@@ -4,28 +4,34 @@
     up[e, t, i]   = sum_h x[t, h] * Wu[e, i, h]
     y[e, t, o]    = sum_i (act(gate) * up)[e, t, i] * Wd[e, o, i]
     out[t, o]     = sum_e table[t, e] * y[e, t, o]      einsum("etd,te->td"), or (table[..., None] * y.permute(1, 0, 2)).sum(1)
+    out[t, o]     = sum_a w[t, a] * y[ids[t, a], t, o]  y[arange(T)[:, None], ids] or y.gather(1, ...), then einsum("tao,ta->to")
 
-(vLLM-Omni's dense experts, tt-forge's batched DeepSeek-V3 `moe_infer`.) Each einsum reaches the graph as
+(vLLM-Omni's dense experts, tt-forge's batched DeepSeek-V3 `moe_infer`, JetStream's Mixtral.) Each einsum reaches the graph as
 views, permutes, products, sums and a bmm in an arrangement of its own; `axes.contraction` proves what is
 multiplied and summed whatever the arrangement. The weights may be stacked parameters or stacks made in
 the forward (`torch.stack` of each expert's Linear weight). The table may be built any way from the top-k
 ids and weights (scatter, scatter_add, index_put, one_hot(ids) * w summed over the slots): column e must
 equal expert e's routing weight, zero where the token did not choose it, which is checked on probe ids and
-weights (probe.py). Then out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), the kernel's semantics.
+weights (probe.py). Then out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), the kernel's semantics. The
+second combine picks each token's chosen outputs by its ids and weights them: that is the kernel's sum
+as written, with no table to check.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.fx import Node
 
-from ..fx_utils import const_int, dtype, is_call, is_cast, shape, through_trailing_cast, val
+from ..fx_utils import arguments, const_int, dtype, is_call, is_cast, shape, through_trailing_cast, val
 from . import probe
 from .axes import VIEW_OPS, contraction, frontier, top_of_views
 from .finder import Finder, each_anchor
 from .matches import (
     EMPTY_BATCH,
     GATE_UP_ROWS_DIFFER,
+    IDS_WEIGHTS_SHAPES,
     Decline,
     ExpertsMatch,
     ExpertWeights,
@@ -69,21 +75,125 @@ def _table_labels(node: Node) -> tuple[Node, tuple] | None:
     return node, tuple(labels)
 
 
-def _combine_leaves(out: Node) -> tuple[Node, Node, Node] | None:
-    """(table leaf [T, E] (or a cast with size-1 dims), gated product [E, T, I], down weights [E, ., .])
-    that the combine reads, or None."""
-    leaves = frontier(out, stop=lambda n: _experts_product(n) or _table_labels(n) is not None, products=True)
-    if leaves is None or len(leaves) != 3:
+@dataclass(frozen=True)
+class _Combine:
+    """How the experts' outputs y[e, t] = (act(gate) * up)[e, t] @ W_down[e] reach the result: weighted
+    by a [T, E] table (`table`: the leaf the combine reads, the table, the leaf's labels), or picked at each token's ids and
+    weighted by its routing weights (`picked`: ids, weights, the picking node and y's labels)."""
+
+    product: Node  # act(gate) * up, [E, T, I] or [T, E, I]
+    down: Node  # W_down, [E, ., .]
+    table: tuple[Node, Node, tuple] | None = None
+    picked: tuple[Node, Node, Node, tuple] | None = None
+
+
+def _token_column(node: object, tokens: object) -> bool:
+    """`node` is arange(T) as a column ([T, 1], or expanded to [T, k]): row t holds t."""
+    dims = shape(node) if isinstance(node, Node) else None
+    if not dims or len(dims) != 2 or not same_size(dims[0], tokens):
+        return False
+    while is_call(node, aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default) or (
+            _keeps_everything(node)):
+        node = node.args[0]
+    args = arguments(node) if is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step) else None
+    if args is None or args.get("start", 0) != 0 or args.get("step", 1) != 1:
+        return False
+    end = args.get("end")
+    return same_size(end.meta.get("val") if isinstance(end, Node) else end, tokens)
+
+
+def _keeps_everything(node: Node) -> bool:
+    """A slice with step 1 whose result is as large as its input (`t[:, None]` under dynamic shapes)."""
+    args = arguments(node) if is_call(node, aten.slice.Tensor) else None
+    return args is not None and args.get("step", 1) == 1 and len(shape(node)) == len(shape(args["input"])) and all(
+        same_size(a, b) for a, b in zip(shape(node), shape(args["input"]), strict=True))
+
+
+def _chosen_ids(node: object) -> bool:
+    value = val(node)
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() and value.dtype != torch.bool
+
+
+def _picked_outputs(node: Node) -> tuple[Node, Node, tuple] | None:
+    """(y, ids, y's labels) when node[t, a, o] = y[t, ids[t, a], o]: `y[arange(T)[:, None], ids]` (the
+    indices on y's [T, E] or [E, T] dims) or `y.gather(1, ids[..., None].expand(T, k, O))`."""
+    if is_call(node, aten.index.Tensor) and len(shape(node.args[0]) or ()) == 3 and len(node.args[1]) == 2:
+        y, (first, second) = node.args
+        for rows, ids, labels in ((first, second, ("t", "e", "o")), (second, first, ("e", "t", "o"))):
+            if _chosen_ids(ids) and _token_column(rows, shape(ids)[0]):
+                return y, ids, labels
+    args = arguments(node) if is_call(node, aten.gather.default) else None
+    if args is not None and len(shape(args["input"]) or ()) == 3 and args["dim"] % 3 == 1:
+        index = args["index"]
+        if is_call(index, aten.expand.default):
+            index = index.args[0]
+        if is_call(index, aten.unsqueeze.default) and index.args[1] % 3 == 2 and _chosen_ids(index.args[0]):
+            ids = index.args[0]
+            if same_size(shape(ids)[0], shape(node)[0]) and same_size(shape(ids)[1], shape(node)[1]):
+                return args["input"], ids, ("t", "e", "o")
+    return None
+
+
+def _experts_and_down(y: Node) -> tuple[Node, Node] | None:
+    """(gated product [E, T, I] or [T, E, I], down weights [E, ., .]) that y reads as an einsum, or None."""
+    leaves = frontier(y, stop=_experts_product, products=True)
+    if leaves is None or len(leaves) != 2:
         return None
     product = next((leaf for leaf in leaves if _experts_product(leaf)), None)
-    rest = [leaf for leaf in leaves if leaf is not product]
-    table = next((leaf for leaf in rest if _table_labels(leaf) is not None), None)
-    weight = next((leaf for leaf in rest if leaf is not table and len(shape(leaf) or ()) == 3), None)
-    return (table, product, weight) if product is not None and table is not None and weight is not None else None
+    weight = next((leaf for leaf in leaves if leaf is not product and len(shape(leaf) or ()) == 3), None)
+    return (product, weight) if product is not None and weight is not None else None
+
+
+def _read_combine(out: Node) -> _Combine | None:
+    """The combine `out` is, told by its leaves (the contraction itself is proved in `match_at`)."""
+    leaves = frontier(out, stop=lambda n: _experts_product(n) or _table_labels(n) is not None
+                      or _picked_outputs(n) is not None, products=True)
+    if leaves is None:
+        return None
+    if len(leaves) == 3:
+        product = next((leaf for leaf in leaves if _experts_product(leaf)), None)
+        rest = [leaf for leaf in leaves if leaf is not product]
+        table = next((leaf for leaf in rest if _table_labels(leaf) is not None), None)
+        weight = next((leaf for leaf in rest if leaf is not table and len(shape(leaf) or ()) == 3), None)
+        if product is not None and table is not None and weight is not None:
+            return _Combine(product, weight, table=(table, *_table_labels(table)))
+    picks = [leaf for leaf in leaves if _picked_outputs(leaf) is not None]
+    if len(picks) != 1:
+        return None
+    y, ids, labels = _picked_outputs(picks[0])
+    # The weights are read whole, whatever products made them (a scale that is a tensor once shapes are
+    # dynamic): the leaf is the [T, k] floating tensor that multiplies the picked outputs.
+    leaves = frontier(out, stop=lambda n: n is picks[0] or _shaped_like(n, ids), products=True)
+    if leaves is None or len(leaves) != 2:
+        return None
+    weights = leaves[1] if leaves[0] is picks[0] else leaves[0]
+    experts = _experts_and_down(y) if _shaped_like(weights, ids) else None
+    return _Combine(*experts, picked=(ids, weights, picks[0], labels)) if experts is not None else None
+
+
+def _shaped_like(node: Node, ids: Node) -> bool:
+    """A floating tensor of the ids' [T, k] shape (routing weights)."""
+    value = val(node)
+    return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 2
+            and all(same_size(a, b) for a, b in zip(value.shape, shape(ids), strict=True)))
 
 
 def _is_candidate(node: Node) -> bool:
-    return _combine_leaves(top_of_views(node)) is not None
+    """The combine's bmm or sum, or for top-1 picks (nothing to sum) its product with the weights."""
+    if is_call(node, aten.mul.Tensor):
+        picks = [arg for arg in node.args if isinstance(arg, Node) and _picked_outputs(_below_views(arg)) is not None]
+        if not picks or const_int(shape(_picked_outputs(_below_views(picks[0]))[1])[1]) != 1:
+            return False
+        top = top_of_views(node)
+        if len(top.users) == 1 and is_call(next(iter(top.users)), aten.sum.dim_IntList, aten.bmm.default):
+            return False  # summed over the one slot after all: the sum is the anchor
+    return _read_combine(top_of_views(node)) is not None
+
+
+def _below_views(node: Node) -> Node:
+    while is_call(node, *VIEW_OPS):
+        node = node.args[0]
+    return node
 
 
 def _labels_read(found, wanted: tuple[str, ...], summed: set[str], sizes: dict) -> bool:
@@ -95,13 +205,15 @@ def _labels_read(found, wanted: tuple[str, ...], summed: set[str], sizes: dict) 
     return axes == kept and set(found.summed) == summed - {k for k, v in sizes.items() if v == 1}
 
 
-def _projection(node: Node, rows: dict, weight: Node, contracted: str, kept: str, sizes: dict) -> bool | None:
+def _projection(node: Node, rows: dict, weight: Node, contracted: str, kept: tuple, sizes: dict) -> bool | None:
     """Whether `weight` ([E, ., .]) is read [out, in] (True) or [in, out] (False) when `node` is
-    sum_contracted rows * weight keeping (e, t, kept); None when it is not that einsum."""
-    for out_in, labels in ((True, ("e", kept, contracted)), (False, ("e", contracted, kept))):
+    sum_contracted rows * weight keeping the labels `kept` (e, t and the weight's other label, in
+    order); None when it is not that einsum."""
+    other = kept[-1]
+    for out_in, labels in ((True, ("e", other, contracted)), (False, ("e", contracted, other))):
         found = contraction(node, {**rows, weight: labels})
         if found is not None and found.leaves == frozenset([*rows, weight]):
-            if _labels_read(found, ("e", "t", kept), {contracted}, sizes):
+            if _labels_read(found, kept, {contracted}, sizes):
                 return out_in
     return None
 
@@ -125,9 +237,9 @@ def _views_a_weight(node: Node, experts: int) -> bool:
     return len(dims) == 3 and const_int(dims[0]) == experts
 
 
-def _up_projection(node: Node, sizes: dict, width: object) -> tuple[Node, Node, bool] | NoMatch:
-    """(x, weight, out_in) for node[e, t, i] = sum_h x[t, h] * W[e, i, h] (i of size `width`); else why
-    not (stopped at `node`)."""
+def _up_projection(node: Node, sizes: dict, width: object, kept: tuple) -> tuple[Node, Node, bool] | NoMatch:
+    """(x, weight, out_in) for node[e, t, i] = sum_h x[t, h] * W[e, i, h] (i of size `width`; node's
+    dims labelled `kept`, ("e", "t", "i") or ("t", "e", "i")); else why not (stopped at `node`)."""
     def rows_or_expanded(n: Node) -> bool:
         dims = shape(n) or ()
         return (len(dims) == 2 and not _views_a_weight(n, sizes["e"])) or is_call(n, aten.expand.default, aten.repeat.default)
@@ -143,7 +255,7 @@ def _up_projection(node: Node, sizes: dict, width: object) -> tuple[Node, Node, 
             continue
         labels = ("e", "t", "h") if x is not rows else ("t", "h")
         read_sizes = {**sizes, "h": shape(x)[-1], "i": width}
-        out_in = _projection(node, {rows: labels}, weight, "h", "i", read_sizes)
+        out_in = _projection(node, {rows: labels}, weight, "h", kept, read_sizes)
         if out_in is not None:
             return x, weight, out_in
     return NoMatch("gate/up is not x @ W[e]^T for every expert and token", node)
@@ -179,26 +291,62 @@ def _table_routing(table: Node, experts: int) -> tuple[Node, Node] | NoMatch:
     return ids, weights
 
 
+def _down_read(combine: _Combine, out: Node, sizes: dict) -> tuple[bool, tuple] | None:
+    """(whether W_down is read [out, in], the product's labels) when `out` is the combine that
+    `combine`'s leaves say; None when it is not that einsum."""
+    product, down = combine.product, combine.down
+    orders = [order for order in (("e", "t", "i"), ("t", "e", "i"))
+              if all(same_size(shape(product)[d], sizes[label]) for d, label in enumerate(order[:2]))]
+    for order in orders:
+        for out_in, labels in ((True, ("e", "o", "i")), (False, ("e", "i", "o"))):
+            if combine.table is not None:
+                table_leaf, _, table_labels = combine.table
+                found = contraction(out, {table_leaf: table_labels, product: order, down: labels})
+                if _labels_read(found, ("t", "o"), {"e", "i"}, sizes):
+                    return out_in, order
+                continue
+            ids, weights, picking, y_labels = combine.picked
+            y = _picked_outputs(picking)[0]
+            picked_sizes = {**sizes, "a": shape(ids)[1]}
+            combined = contraction(out, {weights: ("t", "a"), picking: ("t", "a", "o")})
+            experts = contraction(y, {product: order, down: labels})
+            if (_labels_read(combined, ("t", "o"), {"a"}, picked_sizes)
+                    and _labels_read(experts, y_labels, {"i"}, picked_sizes)):
+                return out_in, order
+    return None
+
+
+def _picked_routing(combine: _Combine, experts: int) -> tuple[Node, Node] | NoMatch:
+    """(ids, weights) of a picked combine: the sum it computes is the kernel's for any [T, k] pair."""
+    ids, weights, picking, _ = combine.picked
+    if not all(same_size(a, b) for a, b in zip(shape(ids), shape(weights), strict=True)):
+        return NoMatch(IDS_WEIGHTS_SHAPES, picking)
+    top_k = const_int(shape(ids)[1])
+    if top_k is None or top_k > experts:
+        return NoMatch("routing ids are not [T, k] with k at most the number of experts", picking)
+    return ids, weights
+
+
 def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     out = top_of_views(anchor)
-    table_leaf, product, down_w = _combine_leaves(out)
-    table, table_labels = _table_labels(table_leaf)
+    combine = _read_combine(out)
+    product, down_w = combine.product, combine.down
+    table = combine.table[1] if combine.table is not None else None
+    tokens = shape(table)[0] if table is not None else shape(combine.picked[0])[0]
     experts = const_int(shape(down_w)[0])
-    sizes = {"e": experts, "t": shape(table)[0], "i": shape(product)[-1], "o": shape(out)[-1], "h": None}
+    sizes = {"e": experts, "t": tokens, "i": shape(product)[-1], "o": shape(out)[-1], "h": None}
 
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, out, at)
 
-    if experts is None or not same_size(shape(table)[1], experts) or not same_size(shape(product)[0], experts):
+    if experts is None or (table is not None and not same_size(shape(table)[1], experts)):
         return None  # not a sum over the experts of their outputs
-    down_out_in = None
-    for out_in, labels in ((True, ("e", "o", "i")), (False, ("e", "i", "o"))):
-        found = contraction(out, {table_leaf: table_labels, product: ("e", "t", "i"), down_w: labels})
-        if _labels_read(found, ("t", "o"), {"e", "i"}, sizes):
-            down_out_in = out_in
-            break
-    if down_out_in is None:
+    read = _down_read(combine, out, sizes)
+    if read is None:
+        if table is None:
+            return no("the combine is not sum_a w[t, a] * (h[ids[t, a], t] @ W_down[ids[t, a]])", out)
         return no("the combine is not sum_e table[t, e] * (h[e, t] @ W_down[e])", out)
+    down_out_in, order = read
     gated = gated_product(product)
     activation, described = activation_of(gated.activation_node)
     if activation is None:
@@ -207,17 +355,16 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     projected = (("gate_up", split[0]),) if split is not None else (("gate", gated.gate), ("up", gated.up))
     roles = {}
     for name, node in projected:
-        read = _up_projection(node, sizes, sizes["i"] * (2 if split is not None else 1))
-        if isinstance(read, NoMatch):
-            return read.decline(FORM, out)
-        roles[name] = read
+        projection = _up_projection(node, sizes, sizes["i"] * (2 if split is not None else 1), order)
+        if isinstance(projection, NoMatch):
+            return projection.decline(FORM, out)
+        roles[name] = projection
     hidden = roles[projected[0][0]][0]
     if any(x is not hidden or out_in != roles[projected[0][0]][2] for x, _, out_in in roles.values()):
         return no(GATE_UP_ROWS_DIFFER, gated.up)
-    if not same_size(shape(hidden)[0], shape(table)[0]) or any(
-            const_int(shape(w)[0]) != experts for _, w, _ in roles.values()):
-        return no("the experts' weights or the table hold another number of experts or tokens", table)
-    routing = _table_routing(table, experts)
+    if not same_size(shape(hidden)[0], tokens) or any(const_int(shape(w)[0]) != experts for _, w, _ in roles.values()):
+        return no("the experts' weights or the routing hold another number of experts or tokens", table)
+    routing = _table_routing(table, experts) if table is not None else _picked_routing(combine, experts)
     if isinstance(routing, NoMatch):
         return routing.decline(FORM, out)
     ids, weights = routing
@@ -230,11 +377,12 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
         num_experts=experts,
         top_k=const_int(shape(ids)[1]),
         activation=activation,
+        picks_routed=table is None,
         down=_expert_weights(down_w, down_out_in),
         **{name: _expert_weights(weight, out_in) for name, (_, weight, out_in) in roles.items()},
     )
 
 
-# The combine's bmm or sum over the experts ends the region.
-FINDER = Finder(FORM, (aten.bmm.default, aten.sum.dim_IntList), each_anchor(_is_candidate), match_at,
+# The combine's bmm or sum over the experts (or a top-1 pick's product with its weights) ends the region.
+FINDER = Finder(FORM, (aten.bmm.default, aten.sum.dim_IntList, aten.mul.Tensor), each_anchor(_is_candidate), match_at,
                 priority=60, reads_every_expert=True)

@@ -152,6 +152,9 @@ class ExpertsMatch:
     # `weights` is the [T, E] table of every expert's weight (the router's probabilities, no
     # renormalisation), read at the ids (`probs[tok, e]`): the call takes table.gather(1, ids).
     weights_at_ids: bool = False
+    # The region runs every expert on every token but keeps only each token's chosen outputs (picked at
+    # its ids, not weighted by zero): an unrouted expert's NaN or inf never reaches its result either.
+    picks_routed: bool = False
     # Set by the pipeline where the ids' range is not proved: what the call checks before it runs.
     ids_check: IdsCheck | None = None
 

@@ -227,7 +227,7 @@ def rounding_needed(match: ExpertsMatch, region: frozenset[Node]) -> str | None:
 
 def _not_exact(match: ExpertsMatch, region: frozenset[Node], ids: ExpertIds | None) -> str | None:
     """Strict mode: why the fused call could give another result than the layer as written, or None."""
-    if any(f.reads_every_expert for f in FINDERS if f.name == match.form):
+    if not match.picks_routed and any(f.reads_every_expert for f in FINDERS if f.name == match.form):
         return (
             "strict: the layer as written runs every expert on every token, so a NaN or inf in an expert no "
             "token is routed to reaches its output; the fused kernel reads only the routed experts"
