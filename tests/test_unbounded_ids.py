@@ -45,6 +45,15 @@ class GatheredEinsum(torch.nn.Module):
         return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", gate * up, self.w2[ids]), w)
 
 
+class PickedOutputs(GatheredEinsum):
+    """JetStream's Mixtral: every expert on every token, each token's outputs picked at its ids."""
+
+    def forward(self, x, w, ids):
+        h = F.silu(torch.einsum("ti,eoi->teo", x, self.w1)) * torch.einsum("ti,eoi->teo", x, self.w3)
+        y = torch.einsum("teo,eio->tei", h, self.w2)
+        return torch.einsum("tai,ta->ti", y[torch.arange(x.shape[0])[:, None], ids], w)
+
+
 class TransformersExperts(torch.nn.Module):
     """transformers' MixtralExperts (batched_mm or grouped_mm), called with ids and weights."""
 
@@ -60,12 +69,13 @@ class TransformersExperts(torch.nn.Module):
 
 
 class ExpertLoop(torch.nn.Module):
-    """A loop over a ModuleList of experts (`first`..`first`+count-1 of the router's), masks by `==` or
-    by `one_hot(ids, router_experts)`."""
+    """A loop over a ModuleList of experts (`first`..`first`+count-1 of the router's), masks by `==`, by
+    `one_hot(ids, router_experts)` or by a [T, router_experts] table scattered from the ids."""
 
-    def __init__(self, one_hot: bool = False, first: int = 0, count: int = E, router_experts: int = E):
+    def __init__(self, one_hot: bool = False, first: int = 0, count: int = E, router_experts: int = E,
+                 scatter: bool = False):
         super().__init__()
-        self.one_hot, self.first, self.router_experts = one_hot, first, router_experts
+        self.one_hot, self.first, self.router_experts, self.scatter = one_hot, first, router_experts, scatter
         self.gate = torch.nn.ModuleList(torch.nn.Linear(H, INTER, bias=False) for _ in range(count))
         self.up = torch.nn.ModuleList(torch.nn.Linear(H, INTER, bias=False) for _ in range(count))
         self.down = torch.nn.ModuleList(torch.nn.Linear(INTER, H, bias=False) for _ in range(count))
@@ -74,9 +84,10 @@ class ExpertLoop(torch.nn.Module):
     def forward(self, x, w, ids):
         out = torch.zeros_like(x)
         mask = F.one_hot(ids, self.router_experts) if self.one_hot else None
+        table = torch.zeros(x.shape[0], self.router_experts).scatter(1, ids, w) if self.scatter else None
         for e in range(len(self.gate)):
             chosen = mask[..., self.first + e] if self.one_hot else ids == self.first + e
-            share = (w * chosen).sum(-1, keepdim=True)
+            share = table[:, self.first + e, None] if self.scatter else (w * chosen).sum(-1, keepdim=True)
             out = out + share * self.down[e](F.silu(self.gate[e](x)) * self.up[e](x))
         return out
 
@@ -104,6 +115,7 @@ CASES = {
     # model, {bad id: "eager" (the fused call gives eager's result) or "raises" (eager raises too, or
     # gives the id no defined meaning)}
     "gathered_einsum": (GatheredEinsum, {-1: "eager", -E: "eager", E: "raises", -E - 1: "raises"}),
+    "picked_outputs": (PickedOutputs, {-1: "eager", -E: "eager", E: "raises", -E - 1: "raises"}),
     "batched_mm": (lambda: TransformersExperts("batched_mm"), {-1: "eager", E: "raises"}),
     "grouped_mm": (lambda: TransformersExperts("grouped_mm"), {-1: "raises", E: "raises"}),
     "loop_eq": (ExpertLoop, {-1: "eager", E: "eager", 100: "eager"}),
@@ -154,16 +166,18 @@ def test_out_of_window_ids_of_an_expert_parallel_rank_contribute_nothing():
     assert not any("assert_async" in str(n.target) for n in recorder.graphs[0].graph.nodes)
 
 
-def test_a_rank_reading_ids_from_outside_with_a_bound_checks_to_the_router_width():
-    # one_hot(ids, 4) raises outside 0..3 in eager; ids of the other rank's experts are valid and add nothing.
-    model = ExpertLoop(one_hot=True, count=2, router_experts=4).eval()
+@pytest.mark.parametrize("read_by", ["one_hot", "aten.scatter"])
+def test_a_rank_reading_ids_from_outside_with_a_bound_checks_to_the_router_width(read_by):
+    # one_hot(ids, 4) and a scatter into [T, 4] raise outside 0..3 in eager; ids of the other rank's
+    # experts are valid and add nothing.
+    model = ExpertLoop(one_hot=read_by == "one_hot", scatter=read_by != "one_hot", count=2, router_experts=4).eval()
     fn = torch.compile(model, backend="hpu_moe", options={"inner": "eager", "target": "portable"})
     x, w = torch.randn(T, H), torch.rand(T, 2)
     with torch.no_grad():
         ids = torch.tensor([[2, 0], [1, 3], [3, 2]])
         assert_close_for_dtype(fn(x, w, torch.tensor([[0, 1]] * T)), model(x, w, torch.tensor([[0, 1]] * T)))
         assert_close_for_dtype(fn(x, w, ids), model(x, w, ids))
-        with pytest.raises(RuntimeError, match=r"lies outside 0\.\.3.*\(one_hot\)"):
+        with pytest.raises(RuntimeError, match=rf"lies outside 0\.\.3.*\({read_by}\)"):
             fn(x, w, torch.tensor([[2, 4]] * T))
 
 

@@ -254,14 +254,14 @@ _VALUE_KEEPING = (
 # Ops that read an id as the position of a row along `dim` of `source`, and raise outside 0..rows-1:
 # {op: (the index argument, the indexed tensor's argument, its dim (an argument name or a fixed dim))}.
 _INDEXING = {
-    aten.index_select.default: ("index", "self", "dim"),
-    aten.gather.default: ("index", "self", "dim"),
-    aten.scatter.src: ("index", "self", "dim"),
-    aten.scatter.value: ("index", "self", "dim"),
-    aten.scatter_add.default: ("index", "self", "dim"),
-    aten.scatter_reduce.two: ("index", "self", "dim"),
-    aten.index_add.default: ("index", "self", "dim"),
-    aten.index_copy.default: ("index", "self", "dim"),
+    aten.index_select.default: ("index", "input", "dim"),
+    aten.gather.default: ("index", "input", "dim"),
+    aten.scatter.src: ("index", "input", "dim"),
+    aten.scatter.value: ("index", "input", "dim"),
+    aten.scatter_add.default: ("index", "input", "dim"),
+    aten.scatter_reduce.two: ("index", "input", "dim"),
+    aten.index_add.default: ("index", "input", "dim"),
+    aten.index_copy.default: ("index", "input", "dim"),
     aten.embedding.default: ("indices", "weight", 0),
 }
 _SELECTED_BY = (aten.index.Tensor, aten.index_select.default, aten.gather.default)  # ids[perm]: values kept
