@@ -17,6 +17,7 @@ import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .fx_utils import source_line
@@ -114,6 +115,16 @@ def _one_hot(ids: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     return (ids.unsqueeze(-1) == torch.arange(num_classes, device=ids.device)).to(torch.int64)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear of rows with a data-dependent count and more than two dims (`x[idx]` for an [n, 1] column
+    of indices) as linear of the flattened rows, viewed back: the same values and ATen ops (view, mm,
+    view). Older torch (2.9) reads the input's numel() in its C++ linear, which fails for such sizes."""
+    if x.dim() <= 2 or not free_unbacked_symbols(x.shape):
+        return torch.nn.functional.linear(x, weight, bias)
+    rows = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return rows.view(*x.shape[:-1], rows.shape[-1])
+
+
 def _no_mode_change(*_args):
     """`torch.inference_mode(...)` entered or left inside the graph (torch 2.9's dynamo records the switch
     as calls): the canonical trace computes the same values without it, and switching it inside functorch's
@@ -131,7 +142,8 @@ def _in_place(method: str, fallback):
     return run
 
 
-_TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot}
+_TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot,
+              torch._C._nn.linear: _linear, torch.nn.functional.linear: _linear}
 _TRACED_AS.update({
     operator.ior: _in_place("bitwise_or_", operator.ior),
     operator.iand: _in_place("bitwise_and_", operator.iand),

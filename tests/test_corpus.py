@@ -25,7 +25,7 @@ PINNED_ON = (2, 13)
 OUTCOMES = {
     "arctic_moe": "fused",
     "bailing_moe": "fused",
-    "blackmamba_moe": "no candidate",
+    "blackmamba_moe": "declined",
     "colossalai_moe": "declined",
     "davidmrau_moe": "not captured",
     "deepctr_mmoe": "declined",
@@ -41,7 +41,7 @@ OUTCOMES = {
     "hunyuan_large_moe": "fused",
     "internevo_moe": "declined",
     "jetmoe_original": "fused",
-    "jetstream_mixtral_moe": "no candidate",
+    "jetstream_mixtral_moe": "fused",
     "ktransformers_experts": "fused",
     "kyegomez_switch": "not captured",
     "labml_switch": "fused",

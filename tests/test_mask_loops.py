@@ -169,6 +169,42 @@ def test_comprehended_index_lists_scaled_after_the_loop_are_fused():
     assert len(report.fused) == 1 and report.fused[0].top_k == 1, str(report)
 
 
+class IndexColumns(Routed):
+    """Top-1 by `max`; each expert's rows as the [n, 1] column `nonzero()` gives (no as_tuple), gathered as
+    [n, 1, H] and stored with `out[idx, :] = y`, the probability applied after the loop (BlackMamba's
+    SwitchMLP)."""
+
+    def forward(self, x):
+        best_prob, best = self.router(x).softmax(-1).max(dim=1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (best == e).nonzero()
+            out[idx, :] = expert(x[idx, :])
+        return out * best_prob.unsqueeze(1)
+
+
+class NeighbourColumns(Routed):
+    """IndexColumns, but each expert also takes the next expert's tokens: the stores overlap."""
+
+    def forward(self, x):
+        best_prob, best = self.router(x).softmax(-1).max(dim=1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = ((best == e) | (best == (e + 1) % E)).nonzero()
+            out[idx, :] = expert(x[idx, :])
+        return out * best_prob.unsqueeze(1)
+
+
+def test_index_columns_stored_back_are_fused():
+    report = _compile(IndexColumns)
+    assert report.graph_count == 1 and len(report.fused) == 1 and report.fused[0].top_k == 1, str(report)
+
+
+def test_index_columns_of_overlapping_tokens_are_declined():
+    report = _compile(NeighbourColumns)
+    assert not report.fused and "at rows another expert writes too" in report.declined[0].reason, str(report)
+
+
 class LookupsInALoop(nn.Module):
     """Not an expert loop: a table looked up at each key under a comparison, as bookkeeping code
     (torch's DistributedDataParallel among them) writes it. `table[key]` is not a boolean-mask gather."""

@@ -478,8 +478,11 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
 
 
 def _row_indices(rows: torch.Tensor) -> torch.Tensor:
-    """Token indices of an expert's rows: a boolean mask over the tokens (`x[mask]`) read as its nonzeros."""
-    return rows.nonzero().squeeze(-1) if rows.dtype == torch.bool and rows.dim() == 1 else rows
+    """Token indices of an expert's rows: a boolean mask over the tokens (`x[mask]`) read as its nonzeros,
+    an [n, 1] column of indices (`nonzero()` without as_tuple) as its one column."""
+    if rows.dtype == torch.bool and rows.dim() == 1:
+        return rows.nonzero().squeeze(-1)
+    return rows.squeeze(-1) if rows.dim() == 2 and rows.shape[-1] == 1 and not rows.dtype.is_floating_point else rows
 
 
 def _stores_overlap(envs_per_term, terms) -> bool:

@@ -162,9 +162,17 @@ def link_parts(node: Node) -> tuple[Node, object, object, object, str] | None:
         for old, new in (values.args, values.args[::-1]):
             if is_call(old, aten.index.Tensor) and old.args[0] is base and list(old.args[1]) == [rows]:
                 return base, 0, rows, new, "rewrites"
-    if isinstance(rows, Node) and not dtype(rows).is_floating_point and len(shape(rows) or ()) == 1:
+    if isinstance(rows, Node) and not dtype(rows).is_floating_point and (
+            len(shape(rows) or ()) == 1 or _index_column(rows)):
         return base, 0, rows, values, "stores"  # at a token mask, or at token indices (`out[idx, :] = y`)
     return None
+
+
+def _index_column(rows: Node) -> bool:
+    """Token indices as an [n, 1] column (`(ids == e).nonzero()`, BlackMamba): `out[idx, :] = y` stores
+    y[i, 0] at row idx[i, 0], as a 1-D index of those rows would."""
+    dims = shape(rows) or ()
+    return len(dims) == 2 and const_int(dims[1]) == 1 and dtype(rows) in (torch.int64, torch.int32)
 
 
 def _broadcast_rows(index: object, source: object) -> Node | None:
