@@ -348,30 +348,29 @@ def dense_einsum(experts: Experts, x, ids, weights):
             h = experts.apply_gate(torch.bmm(rows, experts.gate_up_proj.transpose(1, 2)))
             y = torch.bmm(h, experts.down_proj.transpose(1, 2))
         return (table.unsqueeze(-1).to(y.dtype) * y.permute(1, 0, 2)).sum(dim=1)
-    if experts.storage == "separate":
-        h = experts.act_fn(torch.einsum("td,eid->eti", x, experts.gate)) * torch.einsum("td,eid->eti", x, experts.up)
-        y = torch.einsum("eti,edi->etd", h, experts.down_proj)
-    elif experts.is_transposed:
-        h = experts.apply_gate(torch.einsum("td,edi->eti", x, experts.gate_up_proj))
-        y = torch.einsum("eti,eid->etd", h, experts.down_proj)
-    else:
-        h = experts.apply_gate(torch.einsum("td,eid->eti", x, experts.gate_up_proj))
-        y = torch.einsum("eti,edi->etd", h, experts.down_proj)
+    y = _every_expert(experts, x, "et")
     return torch.einsum("etd,te->td", y, table.to(y.dtype))
+
+
+def _every_expert(experts: Experts, x, order: str):
+    """Every expert's output for every token as einsums over the stacks, [E, T, H] (`order` "et") or
+    token-major [T, E, H] ("te")."""
+    h_axes, y_axes = f"{order}i", f"{order}d"
+    if experts.storage == "separate":
+        gate = torch.einsum(f"td,eid->{h_axes}", x, experts.gate)
+        h = experts.act_fn(gate) * torch.einsum(f"td,eid->{h_axes}", x, experts.up)
+        return torch.einsum(f"{h_axes},edi->{y_axes}", h, experts.down_proj)
+    if experts.is_transposed:
+        h = experts.apply_gate(torch.einsum(f"td,edi->{h_axes}", x, experts.gate_up_proj))
+        return torch.einsum(f"{h_axes},eid->{y_axes}", h, experts.down_proj)
+    h = experts.apply_gate(torch.einsum(f"td,eid->{h_axes}", x, experts.gate_up_proj))
+    return torch.einsum(f"{h_axes},edi->{y_axes}", h, experts.down_proj)
 
 
 def _picked_combine(experts: Experts, x, ids, weights, spelling: str):
     """Every expert on every token as token-major einsums ([T, E, .]), then each token's chosen outputs
     picked by its ids and weighted (JetStream's Mixtral), the pick spelled three ways."""
-    if experts.storage == "separate":
-        h = experts.act_fn(torch.einsum("td,eid->tei", x, experts.gate)) * torch.einsum("td,eid->tei", x, experts.up)
-        y = torch.einsum("tei,edi->ted", h, experts.down_proj)
-    elif experts.is_transposed:
-        h = experts.apply_gate(torch.einsum("td,edi->tei", x, experts.gate_up_proj))
-        y = torch.einsum("tei,eid->ted", h, experts.down_proj)
-    else:
-        h = experts.apply_gate(torch.einsum("td,eid->tei", x, experts.gate_up_proj))
-        y = torch.einsum("tei,edi->ted", h, experts.down_proj)
+    y = _every_expert(experts, x, "te")
     rows = torch.arange(x.shape[0], device=x.device)
     w = weights.to(y.dtype)
     if spelling == "picked_gather":
