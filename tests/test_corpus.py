@@ -63,7 +63,7 @@ OUTCOMES = {
     "nanotron_moe": "not captured",
     "olmo_core_moe": "not captured",
     "openmoe": "declined",
-    "opennmt_moe": "not captured",
+    "opennmt_moe": "declined",
     "phi35_moe": "fused",
     "skywork_moe_plus_plus": "declined",
     "time_moe": "fused",

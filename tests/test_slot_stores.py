@@ -49,6 +49,46 @@ class SlotStores(torch.nn.Module):
         return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
+class GuardedStores(SlotStores):
+    """OpenNMT-py's loop: each expert's store skipped where no slot chose it, its rows given as [1, n, H]."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        flat, xs = ids.view(-1), x.repeat_interleave(self.top_k, dim=0)
+        y = torch.empty_like(xs)
+        for e, expert in enumerate(self.experts):
+            if torch.any(flat == e):
+                y[flat == e] = expert(xs[flat == e].unsqueeze(0))
+        return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class ResidualStores(SlotStores):
+    """GuardedStores with experts that add their rows back (OpenNMT-py's experts carry a residual)."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        flat, xs = ids.view(-1), x.repeat_interleave(self.top_k, dim=0)
+        y = torch.empty_like(xs)
+        for e, expert in enumerate(self.experts):
+            if torch.any(flat == e):
+                y[flat == e] = xs[flat == e] + expert(xs[flat == e])
+        return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class IndexGuardedStores(SlotStores):
+    """The guard tests indices: `any()` is false when the one index is 0, so that row's store is skipped."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        flat, xs = ids.view(-1), x.repeat_interleave(self.top_k, dim=0)
+        y = torch.zeros_like(xs)
+        for e, expert in enumerate(self.experts):
+            rows = (flat == e).nonzero().squeeze(-1)
+            if torch.any(rows):
+                y[rows] = expert(xs[rows])
+        return (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
 @pytest.mark.parametrize("tokens", [6, 1], ids=["default", "decode"])
 def test_slot_stores_are_fused_and_equal(tokens):
     torch.manual_seed(0)
@@ -69,6 +109,30 @@ def test_slot_stores_the_probes_do_not_prove_are_declined(variant, reason):
     assert not recorder.fused_nodes() and any(reason in d.reason for d in report.declined), str(report)
     if variant != "one_left_out":  # the left-out expert's slots hold uninitialised memory in eager too
         assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def _run(model_class):
+    torch.manual_seed(0)
+    model, inputs = model_class().eval(), (torch.randn(6, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    return report, len(recorder.fused_nodes())
+
+
+def test_a_store_skipped_at_its_tested_mask_is_captured_and_fused():
+    """`if torch.any(M): y[M] = v`: with no entry of M set the store writes nothing, so the guard goes."""
+    report, fused = _run(GuardedStores)
+    assert (report.graph_count, report.graph_break_count, fused) == (1, 0, 1), str(report)
+
+
+def test_an_expert_with_its_own_residual_is_declined_as_such():
+    report, fused = _run(ResidualStores)
+    assert report.graph_count == 1 and not fused and "a residual" in report.declined[0].reason, str(report)
+
+
+def test_a_guard_on_indices_is_kept():
+    report, fused = _run(IndexGuardedStores)
+    assert report.graph_break_count > 0 and not fused, str(report)
 
 
 def test_slot_stores_train_like_eager():

@@ -302,16 +302,51 @@ def _mask_guarded(stmt: ast.stmt) -> str | None:
     if stmt.orelse and not (len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)
                             and not stmt.orelse[0].orelse and _static_test(stmt.orelse[0].test)):
         return None
-    test = stmt.test
+    subject = _any_subject(stmt.test)
+    return subject.id if isinstance(subject, ast.Name) else None
+
+
+def _any_subject(test: ast.AST) -> ast.AST | None:
+    """M for the test `M.any()` or `torch.any(M)` (no dim: true when any entry of M is non-zero)."""
     if call_name(test) != "any" or test.keywords:
         return None
     if isinstance(test.func, ast.Attribute) and not test.args and not _is_torch(test.func.value):
-        subject = test.func.value
-    elif len(test.args) == 1 and isinstance(test.func, ast.Attribute) and _is_torch(test.func.value):
-        subject = test.args[0]
-    else:
+        return test.func.value
+    if len(test.args) == 1 and isinstance(test.func, ast.Attribute) and _is_torch(test.func.value):
+        return test.args[0]
+    return None
+
+
+def _store_at_tested_mask(stmt: ast.stmt, bound: set[str]) -> ast.Assign | None:
+    """`T[M] = v` for `if torch.any(M): T[M] = v` (or `M.any()`), M a boolean expression written the same
+    in the test and the store (OpenNMT-py: `if torch.any(ids == i): y[ids == i] = expert(x[ids == i])`).
+
+    Where no entry of M is set the store writes no element, so the guard skips nothing but computing v
+    on empty rows: removed, the store runs for every expert. T is a tensor bound before the loop, the
+    guard has no other arm, and M is boolean by construction (a comparison, `&`, `|`, `~` of them, or
+    `.bool()`): an integer index whose entries are all 0 would store at row 0."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1:
         return None
-    return subject.id if isinstance(subject, ast.Name) else None
+    subject, store = _any_subject(stmt.test), stmt.body[0]
+    if subject is None or not _boolean_expression(subject) or not (
+            isinstance(store, ast.Assign) and len(store.targets) == 1 and isinstance(store.targets[0], ast.Subscript)):
+        return None
+    target = store.targets[0]
+    if not isinstance(target.value, ast.Name) or target.value.id in bound or any(
+            isinstance(n, ast.NamedExpr) for n in ast.walk(store)):
+        return None
+    return store if ast.dump(target.slice) == ast.dump(subject) else None
+
+
+def _boolean_expression(expr: ast.AST) -> bool:
+    """A tensor expression whose values are booleans whatever its operands hold."""
+    if isinstance(expr, ast.Compare):
+        return True
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr | ast.BitXor):
+        return _boolean_expression(expr.left) and _boolean_expression(expr.right)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
+        return _boolean_expression(expr.operand)
+    return call_name(expr) == "bool" and isinstance(expr, ast.Call) and not expr.args
 
 
 def _is_torch(expr: ast.AST) -> bool:
@@ -654,6 +689,7 @@ def _check_body(
     masks_of: dict[str, tuple] = {}  # rows name -> (the mask whose non-zero entries they are, its binding)
     versions: dict[str, int] = {}  # name -> how many times the body has bound it so far
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
+    stores: list[int] = []  # lines of `if torch.any(M): T[M] = v`
     skips: list[int] = []
     loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     body = loop.body
@@ -702,6 +738,8 @@ def _check_body(
                     for t in (a.targets if isinstance(a, ast.Assign) else [a.target])):
                 mask_guards.append((stmt.lineno, (tested, versions.get(tested))))  # the `elif` arm stays, as written
                 visit(stmt.body)
+            elif _store_at_tested_mask(stmt, bound) is not None:
+                stores.append(stmt.lineno)
             elif (source := _skip_when_empty(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))  # skipping on no rows skips an accumulation of nothing
             elif mask is not None and _skips_on_index(stmt, var, bound):
@@ -720,6 +758,11 @@ def _check_body(
                 )
 
     visit(body)
+    if stores:  # `if torch.any(M): T[M] = v` is the whole effect of the body
+        if accumulations or mask_guards or count_guards or guards or len(stores) != 1:
+            raise NotAdaptable(f"line {stores[0]}: a store at its tested mask is not the loop body's only effect")
+        _check_locals(loop, bound, fn_def)
+        return stores, skips
     if len(accumulations) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
@@ -851,7 +894,8 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
                 read_here(stmt, seen, stmt.lineno)
                 if isinstance(stmt, ast.Assign | ast.AnnAssign):
                     targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                    seen = seen | {n for t in targets for n in stored_names(t)}
+                    # a store into a tensor (`T[M] = v`) binds no name
+                    seen = seen | {n for t in targets if not isinstance(t, ast.Subscript) for n in stored_names(t)}
         return seen
 
     check(loop.body, set())

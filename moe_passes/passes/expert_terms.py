@@ -191,6 +191,22 @@ def read_term(node: Node) -> ExpertTerm | None:
     return None
 
 
+RESIDUAL_INSIDE = (
+    "an expert adds a tensor to its MLP's output inside the expert (a residual: `x + MLP(norm(x))`); the "
+    "fused kernel computes the gated MLP alone"
+)
+
+
+def adds_inside(node: Node) -> bool:
+    """`MLP(h) + r` with r a tensor, not a bias row: why an expert's output is no plain gated MLP (an
+    expert with its own residual, OpenNMT-py's `PositionwiseFeedForward`)."""
+    node = strip_shape_ops(strip_casts(node))
+    if not is_call(node, aten.add.Tensor) or not all(isinstance(a, Node) for a in node.args[:2]):
+        return False
+    pairs = (node.args[:2], node.args[1::-1])
+    return any(_read_mlp(strip_shape_ops(strip_casts(a))) is not None and len(shape(b) or ()) > 1 for a, b in pairs)
+
+
 def _factors(product: Node) -> list[Node]:
     """The tensor factors of a product of tensors (`MLP(x) * w[:, e:e+1] * chose`), through casts."""
     factors = []
