@@ -629,10 +629,41 @@ class RowsReboundInsideTheGuard(MaskAnyGuard):
         return out
 
 
+class SkipUnlessAny(MaskAnyGuard):
+    """`if not torch.any(mask): continue` before the expert's work (TensorRT-LLM's `VanillaMoE`): removable."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            if not torch.any(chosen):
+                continue
+            token, slot = torch.where(chosen)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+class SkipUnlessAnyOtherMask(SkipUnlessAny):
+    """The skip tests the first slot's mask, the rows come from both: kept."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen, first = ids == e, ids[:, :1] == e
+            if not torch.any(first):
+                continue
+            token, slot = torch.where(chosen)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
 @pytest.mark.parametrize("tokens", [6, 1], ids=["default", "decode"])
-def test_a_mask_any_guard_is_removed_and_the_loop_fused(tokens):
+@pytest.mark.parametrize("cls", [MaskAnyGuard, SkipUnlessAny], ids=lambda c: c.__name__)
+def test_a_mask_any_guard_is_removed_and_the_loop_fused(tokens, cls):
     torch.manual_seed(0)
-    model = MaskAnyGuard().eval()
+    model = cls().eval()
     inputs = (torch.randn(tokens, 8),)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
@@ -641,7 +672,8 @@ def test_a_mask_any_guard_is_removed_and_the_loop_fused(tokens):
 
 
 @pytest.mark.parametrize(
-    "cls", [GuardOnAnotherMask, GuardWithADataElif, MaskReboundBeforeTheGuard, RowsReboundInsideTheGuard],
+    "cls", [GuardOnAnotherMask, GuardWithADataElif, MaskReboundBeforeTheGuard, RowsReboundInsideTheGuard,
+            SkipUnlessAnyOtherMask],
     ids=lambda c: c.__name__,
 )
 def test_a_mask_guard_the_source_does_not_prove_is_kept(cls):

@@ -306,6 +306,18 @@ def _mask_guarded(stmt: ast.stmt) -> str | None:
     return subject.id if isinstance(subject, ast.Name) else None
 
 
+def _skipped_unless_any(stmt: ast.stmt) -> str | None:
+    """M for `if not M.any(): continue` / `if not torch.any(M): continue` (TensorRT-LLM's skip of an
+    expert no slot chose): what follows runs exactly where `_mask_guarded`'s `if M.any():` body would."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return None
+    test = stmt.test
+    if not (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)):
+        return None
+    subject = _any_subject(test.operand)
+    return subject.id if isinstance(subject, ast.Name) else None
+
+
 def _any_subject(test: ast.AST) -> ast.AST | None:
     """M for the test `M.any()` or `torch.any(M)` (no dim: true when any entry of M is non-zero)."""
     if call_name(test) != "any" or test.keywords:
@@ -738,6 +750,8 @@ def _check_body(
                     for t in (a.targets if isinstance(a, ast.Assign) else [a.target])):
                 mask_guards.append((stmt.lineno, (tested, versions.get(tested))))  # the `elif` arm stays, as written
                 visit(stmt.body)
+            elif (tested := _skipped_unless_any(stmt)) is not None and tested in bound:
+                mask_guards.append((stmt.lineno, (tested, versions.get(tested))))
             elif _store_at_tested_mask(stmt, bound) is not None:
                 stores.append(stmt.lineno)
             elif (source := _skip_when_empty(stmt, rows)) is not None:
