@@ -97,6 +97,7 @@ from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
     bindings,
+    boolean_by_construction,
     call_name,
     decided,
     defining_bindings,
@@ -340,7 +341,7 @@ def _store_at_tested_mask(stmt: ast.stmt, bound: set[str]) -> ast.Assign | None:
     if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1:
         return None
     subject, store = _any_subject(stmt.test), stmt.body[0]
-    if subject is None or not _boolean_expression(subject) or not (
+    if subject is None or not boolean_by_construction(subject) or not (
             isinstance(store, ast.Assign) and len(store.targets) == 1 and isinstance(store.targets[0], ast.Subscript)):
         return None
     target = store.targets[0]
@@ -348,17 +349,6 @@ def _store_at_tested_mask(stmt: ast.stmt, bound: set[str]) -> ast.Assign | None:
             isinstance(n, ast.NamedExpr) for n in ast.walk(store)):
         return None
     return store if ast.dump(target.slice) == ast.dump(subject) else None
-
-
-def _boolean_expression(expr: ast.AST) -> bool:
-    """A tensor expression whose values are booleans whatever its operands hold."""
-    if isinstance(expr, ast.Compare):
-        return True
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr | ast.BitXor):
-        return _boolean_expression(expr.left) and _boolean_expression(expr.right)
-    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
-        return _boolean_expression(expr.operand)
-    return call_name(expr) == "bool" and isinstance(expr, ast.Call) and not expr.args
 
 
 def _is_torch(expr: ast.AST) -> bool:

@@ -56,6 +56,7 @@ import torch
 
 from .source_ast import (
     NotAdaptable,
+    boolean_by_construction,
     call_name,
     loop_index,
     number_read,
@@ -373,17 +374,7 @@ def _counts_true(expr: ast.AST) -> bool:
     total = number_read(expr)
     if total is None or call_name(total) != "sum" or not isinstance(total.func, ast.Attribute) or total.args or total.keywords:
         return False
-    return _boolean_by_construction(total.func.value)
-
-
-def _boolean_by_construction(expr: ast.AST) -> bool:
-    if isinstance(expr, ast.Compare):
-        return True
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr | ast.BitXor):
-        return _boolean_by_construction(expr.left) and _boolean_by_construction(expr.right)
-    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
-        return _boolean_by_construction(expr.operand)
-    return call_name(expr) == "bool" and isinstance(expr.func, ast.Attribute) and not expr.args
+    return boolean_by_construction(total.func.value)
 
 
 class CutToCount(ast.NodeTransformer):

@@ -90,6 +90,18 @@ def call_name(call: ast.AST) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
+def boolean_by_construction(expr: ast.AST) -> bool:
+    """A tensor expression whose values are booleans whatever its operands hold: a comparison, `&`, `|`,
+    `^` or `~` of such expressions, or `.bool()`."""
+    if isinstance(expr, ast.Compare):
+        return True
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr | ast.BitXor):
+        return boolean_by_construction(expr.left) and boolean_by_construction(expr.right)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
+        return boolean_by_construction(expr.operand)
+    return call_name(expr) == "bool" and isinstance(expr.func, ast.Attribute) and not expr.args
+
+
 def number_read(expr: ast.AST) -> ast.AST | None:
     """X for `X.item()` or `int(X)`: a tensor's value read on the host as a Python number; else None."""
     if call_name(expr) == "item" and isinstance(expr.func, ast.Attribute) and not expr.args and not expr.keywords:

@@ -181,8 +181,8 @@ def _shaped_like(node: Node, ids: Node) -> bool:
 def _is_candidate(node: Node) -> bool:
     """The combine's bmm or sum, or for top-1 picks (nothing to sum) its product with the weights."""
     if is_call(node, aten.mul.Tensor):
-        picks = [arg for arg in node.args if isinstance(arg, Node) and _picked_outputs(_below_views(arg)) is not None]
-        if not picks or const_int(shape(_picked_outputs(_below_views(picks[0]))[1])[1]) != 1:
+        picks = [p for arg in node.args if isinstance(arg, Node) and (p := _picked_outputs(_below_views(arg)))]
+        if not picks or const_int(shape(picks[0][1])[1]) != 1:
             return False
         top = top_of_views(node)
         if len(top.users) == 1 and is_call(next(iter(top.users)), aten.sum.dim_IntList, aten.bmm.default):
@@ -191,6 +191,7 @@ def _is_candidate(node: Node) -> bool:
 
 
 def _below_views(node: Node) -> Node:
+    """The tensor `node` views or permutes."""
     while is_call(node, *VIEW_OPS):
         node = node.args[0]
     return node
@@ -231,9 +232,7 @@ def _expanded_tokens(rows: Node, experts: int) -> Node | None:
 
 def _views_a_weight(node: Node, experts: int) -> bool:
     """`node` is a view or permute of an [E, ., .] tensor (a size-1 dim squeezed away), not token rows."""
-    while is_call(node, *VIEW_OPS):
-        node = node.args[0]
-    dims = shape(node) or ()
+    dims = shape(_below_views(node)) or ()
     return len(dims) == 3 and const_int(dims[0]) == experts
 
 
