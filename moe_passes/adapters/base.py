@@ -89,7 +89,7 @@ def adapters_active() -> bool:
 def install(cls: type, traceable_forward: Callable, name: str, method: str = "forward") -> bool:
     """Give `cls` a `method` that runs `traceable_forward` under hpu_moe tracing; False if already done."""
     original = cls.__dict__.get(method, getattr(cls, method))
-    if getattr(original, "__moe_passes_original__", None) is not None or (method == "forward" and cls in _ADAPTED):
+    if getattr(original, "__moe_passes_original__", None) is not None:
         return False
 
     @functools.wraps(original)

@@ -319,6 +319,14 @@ def _skipped_unless_any(stmt: ast.stmt) -> str | None:
     return subject.id if isinstance(subject, ast.Name) else None
 
 
+def _gathered_at_mask(value: ast.AST, booleans: set[str]) -> str | None:
+    """M for `A[M]`, M a name the body bound to a boolean expression (TensorRT-LLM's `batch_indices[mask]`):
+    the entries of A where M holds, so none when M holds nowhere."""
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Name) and value.slice.id in booleans:
+        return value.slice.id
+    return None
+
+
 def _any_subject(test: ast.AST) -> ast.AST | None:
     """M for the test `M.any()` or `torch.any(M)` (no dim: true when any entry of M is non-zero)."""
     if call_name(test) != "any" or test.keywords:
@@ -692,6 +700,7 @@ def _check_body(
     versions: dict[str, int] = {}  # name -> how many times the body has bound it so far
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     stores: list[int] = []  # lines of `if torch.any(M): T[M] = v`
+    booleans: set[str] = set()  # names the body bound to boolean expressions (`mask = ids == e`)
     skips: list[int] = []
     loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     body = loop.body
@@ -711,10 +720,15 @@ def _check_body(
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
                 selected, cut = _rows_names(stmt, mask, var), _cut_rows(stmt, rows)
                 masked = _mask_of_rows(stmt.value)
+                if masked is None and len(names) == 1 and (gathered := _gathered_at_mask(stmt.value, booleans)):
+                    masked, selected = gathered, names  # `A[M]`: rows that are empty where M holds nowhere
                 for name in names:  # a re-bound name no longer holds what an earlier statement bound to it
                     rows.pop(name, None)
                     masks_of.pop(name, None)
+                    booleans.discard(name)
                     versions[name] = versions.get(name, 0) + 1
+                if len(names) == 1 and isinstance(stmt, ast.Assign) and boolean_by_construction(stmt.value):
+                    booleans.add(names[0])
                 rows.update(dict.fromkeys(selected, stmt.lineno))
                 if masked is not None:
                     masks_of.update(dict.fromkeys(stored_names(targets[0]), (masked, versions.get(masked))))
@@ -1732,7 +1746,59 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         traced = _decide(cls, name, fn, held)
         if traced is not None:
             found[name] = traced
+    for name, fn in list(cls.__dict__.items()) if found else ():
+        fn = getattr(fn, "__moe_passes_original__", fn)
+        if name not in found and isinstance(fn, types.FunctionType):
+            traced = _feeding_copy(cls, name, fn, frozenset(found))
+            if traced is not None:
+                found[name] = traced
     return found
+
+
+_FEEDING: dict[tuple[type, str, types.FunctionType], types.FunctionType | None] = {}
+
+
+def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozenset[str]) -> types.FunctionType | None:
+    """The copy of a method that calls an adapted method of its own instance and gathers at data-dependent
+    sizes (TensorRT-LLM's forward: `ids[in_range]`, `torch.where(in_range)`, then `self.run_experts(...)`).
+
+    Those gathers prepare the expert loop's inputs: left to break the graph, they would split the layer
+    across graphs. The copy is the method as written, with dynamo's `capture_dynamic_output_shape_ops`
+    switched on for the compile from its first statement (the adapted loop switches it off after it).
+    None where the method calls no adapted method or gathers nothing at a data-dependent size."""
+    key = (cls, name, fn)
+    if key not in _FEEDING:
+        _FEEDING[key] = None
+        inner, context = grad_mode_decorated(fn)
+        if inner is not None or getattr(fn, "__wrapped__", None) is None:
+            try:
+                fn_def, filename = function_source(inner or fn)
+            except (NotAdaptable, OSError, TypeError, SyntaxError) as exc:
+                log.debug("%s.%s not read: %s", cls.__qualname__, name, exc)
+                return None
+            this = _instance_name(fn_def)
+            if {_held_call(node, this) for node in walk_function(fn_def)} & adapted and _gathers_at_data_sizes(fn_def):
+                new_def = deepcopy(fn_def)
+                capture = ast.parse(f"{_HELPERS}.capture_dynamic_output_shapes()").body[0]
+                new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
+                new_def.decorator_list = []
+                traced = compile_with_helpers(inner or fn, new_def, filename, _HELPERS, _helpers_namespace())
+                _FEEDING[key] = traced if context is None else redecorated(traced, context)
+    return _FEEDING[key]
+
+
+def _gathers_at_data_sizes(fn_def: ast.FunctionDef) -> bool:
+    """`fn_def` indexes with a boolean mask (a name bound only to booleans, or a boolean expression) or
+    calls one-argument `torch.where`, `nonzero` or `masked_select`: results sized by the data."""
+    boolean = _boolean_names(fn_def)
+    for node in walk_function(fn_def):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and (
+                isinstance(node.slice, ast.Name) and node.slice.id in boolean or _is_boolean(node.slice, boolean)):
+            return True
+        if call_name(node) == "where" and len(node.args) == 1 or _nonzero_operand(node) is not None or (
+                call_name(node) == "masked_select"):
+            return True
+    return False
 
 
 def _grad_mode_decorator_code() -> types.CodeType:

@@ -411,7 +411,8 @@ def _frontier(terms: list[ExpertTerm], through_tables: bool = False) -> tuple[se
             for node in nodes:
                 frontier.update(n for n in node.all_input_nodes if n in common)
             frontier.update(n for n in term.outputs() if n in common)  # one weight every term shares
-        masks = {n for n in frontier if probe.builds_mask(n) or (through_tables and probe.builds_table(n))}
+        masks = {n for n in frontier if probe.builds_mask(n) or probe.gathers_at_data_size(n)
+                 or (through_tables and probe.builds_table(n))}
         if not masks:
             return frontier, slices
         common -= masks

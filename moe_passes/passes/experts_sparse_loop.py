@@ -248,13 +248,20 @@ def _slot_combine(end: Node, top_k: int) -> tuple[Node, Node] | None:
 
 
 def _gather_source(rows_value: Node, index: Node) -> Node | None:
-    """x when `rows_value` is x[index] or x[None, index] (the expert's input rows)."""
+    """x when `rows_value` is x[index] or x[None, index] (the expert's input rows), or x[B][M] where
+    `index` is B[M]: TensorRT-LLM gathers every routed row once, then each expert's at its mask, and
+    (x[B])[M] is x[B[M]] for any one index M along dim 0, boolean or integer."""
     node = strip_shape_ops(rows_value)
     if not is_call(node, aten.index.Tensor):
         return None
     base, indices = node.args[0], list(node.args[1])
     if indices == [index]:
         return base
+    if (len(indices) == 1 and is_call(index, aten.index.Tensor) and len(index.args[1]) == 1
+            and _same_value(indices[0], index.args[1][0])):
+        inner = strip_shape_ops(base)
+        if is_call(inner, aten.index.Tensor) and list(inner.args[1]) == [index.args[0]]:
+            return inner.args[0]
     if indices == [None, index] and is_call(base, aten.unsqueeze.default) and base.args[1] == 0:
         return base.args[0]
     return None

@@ -15,7 +15,7 @@ import operator
 
 import torch
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 from torch.fx.node import map_arg
 
 from ..fx_utils import SHAPE_ONLY_OPS, TRANSPOSE_OPS, dtype, is_call, is_cast, is_getitem
@@ -322,6 +322,16 @@ def builds_mask(node: Node) -> bool:
     else:
         value_dtype = next((dtype(n) for n in node.all_input_nodes if dtype(n) is not None), None)
     return value_dtype is not None and not value_dtype.is_floating_point
+
+
+def gathers_at_data_size(node: Node) -> bool:
+    """A tensor of any dtype that a probe-able op makes with a data-dependent size (`w[rows]` at the rows of
+    a `nonzero` or a boolean mask, TensorRT-LLM's scales): what the routing hands a loop after gathering
+    its slots, looked through to reach the ids and weights it was gathered from."""
+    if node.op != "call_function" or node.target not in PROBE_OPS or is_getitem(node):
+        return False
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and bool(free_unbacked_symbols(value.shape))
 
 
 def builds_table(node: Node) -> bool:
