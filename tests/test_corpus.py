@@ -71,7 +71,7 @@ OUTCOMES = {
     "torchscale_xmoe": "declined",
     "torchtune_llama4_moe": "declined",
     "torchtune_qwen3_moe": "fused",
-    "trtllm_vanilla_moe": "not captured",
+    "trtllm_vanilla_moe": "fused",
     "tt_forge_deepseek_v3_batched": "fused",
     "tutel_moe": "not captured",
     "vllm_omni_lingbot_dense": "fused",

@@ -236,3 +236,36 @@ def test_splits_at_host_sizes_outside_an_expert_loop_are_left_as_written():
     assert hit_expert_loops.adaptations_of(Items) == {}
     assert hit_expert_loops.adaptations_of(ItemsAndMergers) == {}
     assert "experts_at_host_sizes" in hit_expert_loops.adaptations_of(Layer)
+
+
+class PresentExpertsLoop(Layer):
+    """The loop over the experts present written in the layer's own method, whose body selects tokens (so
+    shapes are captured around it): `ids.unique().tolist()` runs over every expert; `unique(sorted=False)`
+    is left as written and evaluated before shapes are captured (captured, its data-dependent length made
+    dynamo raise where it unrolled the loop)."""
+
+    def __init__(self, spelling):
+        super().__init__(None)
+        self.spelling = spelling
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        w, ids = torch.topk(torch.softmax(self.router(x), -1), K, dim=-1)
+        y = torch.zeros_like(x)
+        for i in (ids.unique().tolist() if self.spelling == "sorted" else ids.unique(sorted=False).tolist()):
+            idx, top = torch.where(ids == i)
+            y[idx] += self.experts[i](x[idx]) * w[idx, top, None]
+        return y
+
+
+@pytest.mark.parametrize("spelling", ["sorted", "unsorted"])
+def test_a_loop_over_the_experts_present_in_an_adapted_method_runs_as_eager(spelling):
+    torch.manual_seed(0)
+    model = PresentExpertsLoop(spelling).eval()
+    x = torch.randn(1, T, H)
+    with torch.no_grad():
+        expected = model(x)
+        torch._dynamo.reset()
+        torch.compile(model, backend="eager")(x)
+        report, output = explain_and_run(model, x, options={"inner": "eager", "target": "portable"})
+    assert_close_for_dtype(output, expected)

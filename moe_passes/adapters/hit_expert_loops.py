@@ -38,6 +38,9 @@ false.
 Loops that zip the experts with per-expert tensors (`for mask, expert in zip(masks, self.experts)`,
 LitGPT) select tokens by the zipped element as `range` loops do by `mask[e]`.
 
+Loops over the ids present (`for e in ids.unique().tolist():`) run over every expert where the body's
+only effect is one accumulation at `torch.where(ids == e)` (`present_ids` says why that is exact).
+
 Loops over per-expert counts (`for i, n in enumerate(counts): if n == 0: continue`, DeepSeek-V2 4.x)
 lose that guard when `count_loops` proves it removable, and methods that read per-expert counts as
 numbers (`.tolist()`, such a loop, or the counts handed to a submodule) have `capture_scalar_outputs`
@@ -47,6 +50,9 @@ was fused in it, the backend runs that graph uncompiled instead of failing the c
 `torch.where(M[e])` has a data-dependent size: while the adapted method is traced (any method of the
 class, e.g. DeepSeek-V3's `moe`), dynamo's `capture_dynamic_output_shape_ops` is turned on for that
 compile (and restored when it ends), so the loop becomes one graph that the sparse-loop finder fuses.
+The sequence a loop iterates is evaluated before that, as written. A method that gathers the loop's
+inputs at data-dependent sizes and calls the adapted method (TensorRT-LLM's forward before its
+`run_experts`) captures them too, from its first statement (`_feeding_copy`).
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ from .host_reads import (
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
+from .present_ids import PresentLoop, present_experts, present_ids, present_loop
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
@@ -116,6 +123,7 @@ NAME = "expert loop (hit experts traced as all experts; data-dependent shapes an
 _HELPERS = "__moe_passes_loop_helpers"
 _INDEX = "__moe_passes_expert"
 _ALL = "__moe_passes_all_rows"
+_ITERATED = "__moe_passes_iterated"  # a loop's sequence, evaluated before shapes are captured
 _ACCUMULATORS = {"index_add_", "index_put_"}
 
 
@@ -682,6 +690,7 @@ def _piece_rows(zipped) -> dict[str, int]:
 
 def _check_body(
     loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef, given_rows: dict[str, int] | None = None,
+    present_ids: str | None = None,
 ) -> tuple[list[int], list[int]]:
     """The body's only effect is one accumulation at rows that are empty for an expert not hit.
 
@@ -689,7 +698,8 @@ def _check_body(
     the body when the rows are empty skips nothing but an accumulation of nothing). Returns the lines of
     those guards, which the rewrite removes (dynamo breaks the graph on a data-dependent `if`), and, for
     a hit loop, the lines of the `continue`s on a test of the loop variable, which it evaluates on the
-    Python index.
+    Python index. With `present_ids` (a loop over the unique values of that name), the accumulation's rows
+    must be `torch.where(present_ids == var)`: empty for an id not present.
     """
     bound: set[str] = set()
     rows: dict[str, int] = dict(given_rows or {})  # name -> line of the torch.where / nonzero that bound it
@@ -785,6 +795,10 @@ def _check_body(
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
     accumulated_at = _accumulation_index(accumulations[0])
+    if present_ids is not None and (
+            _selected_by_equality(loop, accumulated_rows, var) != present_ids or present_ids in bound):
+        raise NotAdaptable(f"line {accumulated_rows}: the accumulation's rows are not `torch.where({present_ids} == "
+                           f"{var})`, so an expert absent from {present_ids} may add something")
     for line, tested in mask_guards:
         if masks_of.get(accumulated_at) != tested:
             raise NotAdaptable(
@@ -948,11 +962,12 @@ class Plan:
     fixed_counts: tuple[FixedCounts, ...] = ()  # bincounts an offset loop reads, counted into one bin per expert
     # {attribute: (function, its traced copy)}: `self.attribute(...)` calls a module function held there
     held: dict = dataclasses.field(default_factory=dict)
+    present_loops: tuple[PresentLoop, ...] = ()  # loops over `ids.unique()` that run over every expert
 
     def changes_anything(self) -> bool:
         return bool(
             self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
-            or self.list_indices or self.dropped or self.cuts or self.fixed_counts or self.held
+            or self.list_indices or self.dropped or self.cuts or self.fixed_counts or self.held or self.present_loops
         )
 
 
@@ -969,6 +984,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     assignments = bindings(fn_def)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     loops, guards, captures, kept, count_loops, lists, selecting, fixed = [], [], False, [], [], [], [], []
+    present: list[PresentLoop] = []
     pieces: dict[str, str] = {}  # names of pieces of rows split at host counts -> the counts
     selected_anywhere = {n for stmt in walk_function(fn_def) for n in _rows_names(stmt, None, "")}
     boolean = _boolean_names(fn_def)
@@ -1005,6 +1021,11 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
                     guards.extend(_check_body(node, "", None, fn_def, _piece_rows(zipped))[0])
                 except NotAdaptable as exc:
                     kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
+            continue
+        if selects and (ids := present_ids(node.iter)) is not None:  # `for e in ids.unique().tolist():`
+            loop = present_loop(node, ids)
+            guards.extend(_check_body(node, loop.var, None, fn_def, present_ids=ids)[0])
+            present.append(loop)
             continue
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
         bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
@@ -1047,7 +1068,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     plan = Plan(
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**adapted_one_hot_calls(fn), **calls},
         tuple(lists), tuple(selecting),
-        _read_only_by(fn_def, set(guards)), cuts, tuple(fixed),
+        _read_only_by(fn_def, set(guards)), cuts, tuple(fixed), present_loops=tuple(present),
     )
     if plan.captures_shapes or plan.captures_scalars:
         lengths = data_length_names(fn_def, selected_anywhere | set(pieces))
@@ -1319,6 +1340,7 @@ class _Rewrite(ast.NodeTransformer):
         self.dropped = set(plan.dropped)
         self.fixed_counts = {f.at: f for f in plan.fixed_counts}
         self.held = set(plan.held)
+        self.present_loops = {loop.line: loop for loop in plan.present_loops}
 
     def visit_Call(self, node: ast.Call):
         fixed = self.fixed_counts.get(span(node))
@@ -1376,11 +1398,24 @@ class _Rewrite(ast.NodeTransformer):
         if node.lineno not in self.selecting:
             return new
         # Data-dependent shapes are captured while the loop is traced, and only then: code before and
-        # after it (and what it calls) breaks the graph where it would without hpu_moe.
-        return [_statement("capture_dynamic_output_shapes", node), *_as_list(new),
+        # after it (and what it calls) breaks the graph where it would without hpu_moe. That includes the
+        # sequence the loop iterates (`ids.unique().tolist()`, the experts present): evaluated first, as
+        # written, it breaks the graph where it would without hpu_moe; captured, its data-dependent length
+        # would make dynamo raise where it unrolls the loop.
+        hoisted = []
+        if isinstance(new, ast.For) and not _static_sequence(new.iter):
+            name = f"{_ITERATED}_{node.lineno}"
+            hoisted = [ast.copy_location(ast.Assign(targets=[ast.Name(name, ast.Store())], value=new.iter), node)]
+            new.iter = ast.copy_location(ast.Name(name, ast.Load()), new.iter)
+        return [*hoisted, _statement("capture_dynamic_output_shapes", node), *_as_list(new),
                 _statement("stop_capturing_dynamic_output_shapes", node)]
 
     def _visit_for(self, node: ast.For):
+        present = self.present_loops.get(node.lineno)
+        if present is not None:  # over the ids present -> over every expert (present_ids says why)
+            node.iter = ast.copy_location(_parse_expr(
+                f"range({_HELPERS}.present_experts({present.ids}, len({present.experts})))"), node.iter)
+            ast.fix_missing_locations(node)
         if node.lineno in self.count_loops:
             node = _NumericBounds(self.count_loops[node.lineno].bounds).visit(node)
         loop = self.by_line.get(node.lineno)
@@ -1414,6 +1449,20 @@ class _Rewrite(ast.NodeTransformer):
                 if isinstance(part, ast.expr | ast.stmt):
                     ast.copy_location(part, node)
         return ast.copy_location(ast.For(target=target, iter=iterate, body=[bind, *body], orelse=[]), node)
+
+
+_SEQUENCE_BUILTINS = {"range", "enumerate", "zip", "len", "reversed", "min", "max", "int"}
+
+
+def _static_sequence(expr: ast.AST) -> bool:
+    """A loop's sequence made of names, attributes, constants and the builtins that count and pair them
+    (`range(self.num_experts)`, `enumerate(self.experts)`, `zip(masks, self.experts)`): no tensor op in it."""
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _SEQUENCE_BUILTINS):
+            return False
+        if isinstance(node, ast.Subscript | ast.Lambda | ast.NamedExpr):
+            return False
+    return True
 
 
 def _as_list(visited) -> list:
@@ -1711,6 +1760,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         stop_capturing_dynamic_output_shapes=_stop_capturing_dynamic_output_shapes,
         capture_scalar_outputs=_capture_scalar_outputs,
         expert_counts=expert_counts,
+        present_experts=present_experts,
     )
 
 

@@ -1,0 +1,88 @@
+"""Loops over the expert ids present in the routing (`for e in ids.unique().tolist():`).
+
+    for e in ids.unique().tolist():            # or torch.unique(ids), ids.flatten().unique(), ...
+        token, slot = torch.where(ids == e)
+        out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+
+The sequence has a data-dependent length, so dynamo cannot unroll the loop in one graph. The traced copy
+runs the loop over every expert instead, `range(len(self.experts))`, in the same (ascending) order.
+
+Why that is the same computation (checked on the source, else the loop is left as written and the
+reason logged): the body's only effect is one accumulation at the rows `torch.where(ids == e)` (the
+expert-loop adapter's proof), so an expert absent from `ids` adds nothing; the loop variable is only
+compared and used as an index, where a Python int and the 0-dim tensor `torch.unique` yields behave
+alike; `unique` sorts by default, as `range` counts. An id outside 0..len-1, which made the original
+raise on `self.experts[e]` (or pick an expert from the end for a negative id), makes the copy raise at
+run time (`present_experts`) rather than skip it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+import torch
+
+from .source_ast import NotAdaptable, call_name, strip_methods
+
+# Methods that keep the values of the ids (flattening, host copies) before or after `unique`
+_KEEPS_VALUES = {"flatten", "view", "reshape", "contiguous", "cpu", "tolist", "long", "int"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PresentLoop:
+    line: int  # the `for` statement
+    var: str  # the loop variable
+    ids: str  # the name whose unique values the loop visits
+    experts: str  # the container the loop variable indexes (`self.experts`), as written
+
+
+def present_ids(sequence: ast.AST) -> str | None:
+    """N when `sequence` is the sorted unique values of a name N (`N.unique()`, `torch.unique(N)`, through
+    flattening views, casts and `.tolist()`); else None. `unique` with other arguments (`sorted=False`,
+    `return_counts`, `dim`) is not taken."""
+    unique = strip_methods(sequence, _KEEPS_VALUES)
+    if call_name(unique) != "unique" or not isinstance(unique.func, ast.Attribute):
+        return None
+    if any(not (k.arg == "sorted" and isinstance(k.value, ast.Constant) and k.value.value is True) for k in unique.keywords):
+        return None
+    base = unique.func.value
+    if isinstance(base, ast.Name) and base.id == "torch":
+        if len(unique.args) != 1:
+            return None
+        base = unique.args[0]
+    elif unique.args:
+        return None
+    base = strip_methods(base, _KEEPS_VALUES)
+    return base.id if isinstance(base, ast.Name) else None
+
+
+def present_loop(loop: ast.For, ids: str) -> PresentLoop:
+    """The loop over the values of `ids` read as a loop over every expert, else NotAdaptable naming why.
+    The body's proof (one accumulation at rows where `ids == var`) is the expert-loop adapter's."""
+    if not isinstance(loop.target, ast.Name) or loop.orelse:
+        raise NotAdaptable(f"line {loop.lineno}: the loop over the ids present has a target other than one name, "
+                           "or an else")
+    var = loop.target.id
+    parents = {child: node for node in ast.walk(loop) for child in ast.iter_child_nodes(node)}
+    containers = set()
+    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+        if not (isinstance(node, ast.Name) and node.id == var and isinstance(node.ctx, ast.Load)):
+            continue
+        parent = parents[node]
+        if isinstance(parent, ast.Subscript) and parent.slice is node and isinstance(parent.value, ast.Attribute):
+            containers.add(ast.unparse(parent.value))
+        elif not (isinstance(parent, ast.Compare) and len(parent.ops) == 1 and isinstance(parent.ops[0], ast.Eq)):
+            raise NotAdaptable(f"line {node.lineno}: the id {var} is used other than compared or indexing the "
+                               "experts (`unique` yields it as a tensor or an int, `range` as an int)")
+    if len(containers) != 1:
+        raise NotAdaptable(f"line {loop.lineno}: the loop over the ids present indexes "
+                           f"{'no' if not containers else 'more than one'} container of experts with {var}")
+    return PresentLoop(loop.lineno, var, ids, containers.pop())
+
+
+def present_experts(ids: torch.Tensor, count: int) -> int:
+    """`count`, the number of experts the copy loops over, once the ids are checked to lie in 0..count-1
+    (at run time: the original raised on an expert index out of range)."""
+    torch._assert_async(((ids >= 0) & (ids < count)).all(), "an expert id is outside 0..number of experts - 1")
+    return count
