@@ -315,6 +315,57 @@ graph(in0, in1, in2, in3, in4, in5, in6):
   %13 = aten.add.Tensor(in2, %12)
   return [%13]""")
 
+    def test_corpus_trtllm_sorted_slots(self):
+        """TensorRT-LLM's VanillaMoE (corpus): this rank's slots boolean-gathered and argsorted in forward,
+        a loop in `run_experts` over boolean masks of the sorted ids: one call on the [T, k] routing."""
+        from form_catalog.corpus import trtllm_vanilla_moe
+
+        model, inputs = trtllm_vanilla_moe.build()
+        _, _, recorder = run_hpu_moe(model, inputs)
+        (graph,) = recorder.graphs
+        self.assertExpectedInline(format_graph(graph), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, in14, in15, in16, in17, in18, in19):
+  %0 = aten.native_layer_norm(in2, [16], in0, in1, 1e-05)
+  %1 = getitem(%0, 0)
+  %2 = aten.reshape(%1, [-1, 16])
+  %3 = aten.t(in3)
+  %4 = aten.mm(%2, %3)
+  %5 = aten.topk(%4, 2)
+  %6 = getitem(%5, 0)
+  %7 = getitem(%5, 1)
+  %8 = aten._softmax(%6, -1, False)
+  %9 = aten.reshape(%1, [-1, 16])
+  %10 = moe_passes.mixture_of_experts.fused_weights(%9, %7, %8, [in4, in6, in8, in10, in12, in14, in16, in18], [in5, in7, in9, in11, in13, in15, in17, in19], True, 'silu', 0, 7)
+  %11 = aten.reshape(%10, [1, 7, 16])
+  %12 = aten.add.Tensor(in2, %11)
+  return [%12]""")
+
+    def test_loop_over_the_ids_present(self):
+        """`for e in ids.unique().tolist():` runs over every expert: one call, and the run-time check that
+        every id names an expert (the original raised on `self.experts[e]` otherwise)."""
+        from tests.test_present_ids_loops import PresentIds
+
+        torch.manual_seed(0)
+        _, _, recorder = run_hpu_moe(PresentIds().eval(), (torch.randn(6, 8),))
+        (graph,) = recorder.graphs
+        self.assertExpectedInline(format_graph(graph), """\
+graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13):
+  %0 = aten.t(in0)
+  %1 = aten.mm(in1, %0)
+  %2 = aten._softmax(%1, -1, False)
+  %3 = aten.topk(%2, 2)
+  %4 = getitem(%3, 0)
+  %5 = getitem(%3, 1)
+  %6 = aten.sum.dim_IntList(%4, [-1], True)
+  %7 = aten.div.Tensor(%4, %6)
+  %8 = aten.ge.Scalar(%5, 0)
+  %9 = aten.lt.Scalar(%5, 4)
+  %10 = aten.bitwise_and.Tensor(%8, %9)
+  %11 = aten.all(%10)
+  %12 = aten._assert_async.msg(%11, 'an expert id is outside 0..number of experts - 1')
+  %13 = moe_passes.mixture_of_experts(in1, %5, %7, [in2, in5, in8, in11], [in3, in6, in9, in12], [in4, in7, in10, in13], True, 'silu', 0, 3)
+  return [%13]""")
+
     def test_vllm_omni_dense_einsum(self):
         """vLLM-Omni's dense einsums over every expert and the one-hot [T, E] table: one default call."""
         self.assertExpectedInline(format_graph(rewritten_graph("vllm_omni_dense_einsum")), """\
