@@ -13,20 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
-
-
-class SwiGLUExpert(torch.nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.gate_up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
-        self.down = torch.nn.Linear(2 * hidden, hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+from tests.test_hit_expert_loops import GatedExpert
 
 
 class SortedSlots(torch.nn.Module):
@@ -34,7 +23,7 @@ class SortedSlots(torch.nn.Module):
         super().__init__()
         self.top_k, self.first, self.last = top_k, first, last
         self.router = torch.nn.Linear(hidden, experts, bias=False)
-        self.experts = torch.nn.ModuleList(SwiGLUExpert(hidden) for _ in range(experts))
+        self.experts = torch.nn.ModuleList(GatedExpert(hidden) for _ in range(experts))
 
     def run_experts(self, x, rows, scales, sorted_ids, tokens):
         out = torch.zeros(x.shape, dtype=x.dtype)
