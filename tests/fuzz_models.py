@@ -82,7 +82,7 @@ PICKED_COMBINES = ("picked_index", "picked_expert_major", "picked_gather")
 DENSE_COMBINES = ("einsum", "bmm_sum", *PICKED_COMBINES)
 # Sparse loops: how each expert selects its tokens and writes its output back (a store at a boolean
 # token mask, `out[mask] = y`, is an accumulation only for top-1: otherwise the masks overlap).
-SELECTIONS = ("where_index_add", "mask_store")
+SELECTIONS = ("where_index_add", "mask_store", "sorted_slots")
 # Batched rows: x repeated k times, in the spellings of that one step.
 ROW_SPELLINGS = ("repeat_interleave", "index_arange", "index_select_arange")
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
@@ -389,11 +389,28 @@ def sparse_loop(experts: Experts, x, ids, weights):
             weight = (weights * chose).sum(-1, keepdim=True)
             out[rows] = (experts.mlp(e, x[rows]) * weight[rows]).to(x.dtype)
         return out
+    if experts.case.spelled("select", "where_index_add") == "sorted_slots":  # TensorRT-LLM's VanillaMoE
+        return _sorted_slots_loop(experts, x, ids, weights)
     mask = F.one_hot(ids, num_classes=experts.num_experts).permute(2, 1, 0)
     for e in experts.held:
         slot, token = torch.where(mask[e])
         y = experts.mlp(e, x[None, token].reshape(-1, x.shape[-1])) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+def _sorted_slots_loop(experts: Experts, x, ids, weights):
+    """The held experts' slots gathered once and argsorted by expert, each expert's at a boolean mask."""
+    mine = (ids >= experts.held.start) & (ids < experts.held.stop)
+    order = torch.argsort(ids[mine])
+    sorted_ids = ids[mine][order]
+    token, slot = torch.where(mine)
+    token, slot = token[order], slot[order]
+    rows, scales = x[token], weights[token, slot, None]
+    out = torch.zeros_like(x)
+    for e in experts.held:
+        chose = sorted_ids == e
+        out[token[chose]] += (experts.mlp(e, rows[chose]) * scales[chose]).to(x.dtype)
     return out
 
 
