@@ -144,4 +144,5 @@ def prepare() -> None:
     ones looked for before each hpu_moe compile. Runs when the backend is looked up by name, when it
     compiles a graph, and in `explain`; never at `import moe_passes`."""
     install_discovery_hook()
+    hit_expert_loops.run_switches_as_plain_python()
     adapt_new_classes()

@@ -1726,6 +1726,19 @@ _SWITCHED_FLAGS: set[str] = set()
 _SWITCHED_SETTINGS: set[str] = set()  # ShapeEnv settings switched on in the trace in progress
 
 
+def run_switches_as_plain_python() -> None:
+    """Have dynamo run the switches above as plain Python wherever a frame calling them runs eagerly (a
+    frame it gave up on): compiled as frames of their own, they broke on `current_tx` and the report
+    showed those breaks, at this file's lines, as the user's. Dynamo's reset() forgets this, so the
+    backend asks again before each compile; traced inside a frame, they still run at trace time."""
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip_code is None:  # another torch: the breaks show, nothing else changes
+        return
+    for fn in (_capture_dynamic_output_shapes, _capture_scalar_outputs, _stop_capturing_dynamic_output_shapes,
+               _switch_on_for_this_compile, _switch_back):
+        skip_code(fn.__code__)
+
+
 def switched_settings_for_this_compile() -> tuple[str, ...]:
     """The dynamo flags an adapted method switched on for the compile in progress."""
     return tuple(sorted(_SWITCHED_FLAGS))
