@@ -1,6 +1,6 @@
 """Loops over the expert ids present in the routing (`for e in ids.unique().tolist():`).
 
-    for e in ids.unique().tolist():            # or torch.unique(ids), ids.flatten().unique(), ...
+    for e in ids.unique().tolist():            # or torch.unique(ids), sorted(set(ids.flatten().tolist())), ...
         token, slot = torch.where(ids == e)
         out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
 
@@ -38,9 +38,14 @@ class PresentLoop:
 
 
 def present_ids(sequence: ast.AST) -> str | None:
-    """N when `sequence` is the sorted unique values of a name N (`N.unique()`, `torch.unique(N)`, through
-    flattening views, casts and `.tolist()`); else None. `unique` with other arguments (`sorted=False`,
-    `return_counts`, `dim`) is not taken."""
+    """N when `sequence` is the sorted unique values of a name N (`N.unique()`, `torch.unique(N)`,
+    `sorted(set(N.tolist()))`, through flattening views, casts and `.tolist()`); else None. `unique` with
+    other arguments (`sorted=False`, `return_counts`, `dim`) and an unsorted `set` are not taken."""
+    if _builtin_call(sequence, "sorted"):
+        sequence = sequence.args[0]
+        if _builtin_call(sequence, "set"):  # sorted(set(values)): the distinct values, ascending
+            values = strip_methods(sequence.args[0], _KEEPS_VALUES)
+            return values.id if isinstance(values, ast.Name) else None
     unique = strip_methods(sequence, _KEEPS_VALUES)
     if call_name(unique) != "unique" or not isinstance(unique.func, ast.Attribute):
         return None
@@ -55,6 +60,12 @@ def present_ids(sequence: ast.AST) -> str | None:
         return None
     base = strip_methods(base, _KEEPS_VALUES)
     return base.id if isinstance(base, ast.Name) else None
+
+
+def _builtin_call(expr: ast.AST, name: str) -> bool:
+    """`name(one_argument)`, no keywords (`sorted(x)`, not `sorted(x, reverse=True)`)."""
+    return (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == name
+            and len(expr.args) == 1 and not expr.keywords)
 
 
 def present_loop(loop: ast.For, ids: str) -> PresentLoop:
