@@ -16,6 +16,7 @@ from form_catalog import catalog
 from form_catalog.hf4_hit_expert_loop import HitExpertLoopMoE
 from moe_passes.adapters import hit_expert_loops
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.loop_models import GatedExpert
 
 FORM = catalog()["hf4_hit_expert_loop"]
 
@@ -496,17 +497,6 @@ def test_a_mask_of_an_offset_expert_id_is_an_expert_loop():
     assert set(hit_expert_loops.adaptations_of(OffsetIdLoop)) == {"forward"}
 
 
-class GatedExpert(torch.nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.gate_up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
-        self.down = torch.nn.Linear(2 * hidden, hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 class ZippedMaskLoop(torch.nn.Module):
     """Per-expert masks zipped with the experts (LitGPT's spelling, written afresh): `masks[e]` is
     expert e's [T, k] mask, selected with `torch.where`; `boolean_index` selects rows by `mask.any(-1)`."""
@@ -718,3 +708,47 @@ def test_a_method_dynamo_gives_up_on_reports_only_the_users_breaks():
         report, output, _ = run_hpu_moe(model, inputs)
         assert report.graph_breaks and all("moe_passes" not in b.location for b in report.graph_breaks), str(report)
         assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class HitBySlotZeroRowsByAll(MaskAnyGuard):
+    """The hit test reads the first slot's ids, the rows every slot's (`tokens[flat == e]`): an expert
+    chosen only in the second slot is never visited by the original. Kept."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        tokens = torch.arange(x.shape[0]).repeat_interleave(self.top_k)
+        flat, flat_weights = ids.flatten(), weights.flatten()
+        mask = ids[:, 0][None, :] == torch.arange(len(self.experts))[:, None]
+        hit = mask.any(dim=1).nonzero()
+        out = torch.zeros_like(x)
+        for e in hit:
+            chose = flat == e
+            token = tokens[chose]
+            out.index_add_(0, token, self.experts[e](x[token]) * flat_weights[chose, None])
+        return out
+
+
+class HitReadAfterTheLoop(MaskAnyGuard):
+    """The loop variable read after a hit loop: the last expert hit, not the last expert (which the
+    router here never picks). Kept."""
+
+    def forward(self, x):
+        scores = self.router(x).softmax(-1) * torch.tensor([1.0, 1.0, 1.0, 0.0])
+        weights, ids = torch.topk(scores, self.top_k)
+        mask = F.one_hot(ids, num_classes=len(self.experts)).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        expert_hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in expert_hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out * (e + 1)
+
+
+@pytest.mark.parametrize("cls", [HitBySlotZeroRowsByAll, HitReadAfterTheLoop], ids=lambda c: c.__name__)
+def test_a_hit_loop_the_source_does_not_prove_is_kept(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    inputs = (torch.randn(1, 8),)  # one token: its second expert is not hit by the first slot
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

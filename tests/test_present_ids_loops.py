@@ -6,44 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moe_passes.adapters import hit_expert_loops
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
-
-H, E, K = 8, 4, 2
-
-
-class Expert(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1 = torch.nn.Linear(H, 2 * H, bias=False)
-        self.w3 = torch.nn.Linear(H, 2 * H, bias=False)
-        self.w2 = torch.nn.Linear(2 * H, H, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class PresentIds(torch.nn.Module):
-    """`for e in ids.unique().tolist()` with `index_add_` at `torch.where(ids == e)`."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(H, E, bias=False)
-        self.experts = torch.nn.ModuleList(Expert() for _ in range(E))
-
-    def route(self, x):
-        weights, ids = torch.topk(self.gate(x).softmax(-1), K)
-        return weights / weights.sum(-1, keepdim=True), ids
-
-    def forward(self, x):
-        w, ids = self.route(x)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
-        return out
+from tests.loop_models import E, H, K, PresentIds
 
 
 class PresentIdsTensor(PresentIds):
@@ -121,16 +87,62 @@ class IdReadAsANumber(PresentIds):
         return out
 
 
-class RowsOfOtherIds(PresentIds):
-    """The rows come from the first slot's ids, the loop from all: an absent first-slot id may still add. Kept."""
+class RowsOfEveryToken(PresentIds):
+    """Every token's row, weighted by whether it chose the id: the rows are not the id's, so an absent
+    id would be visited. Kept (the proof needs the rows of `ids == e`)."""
 
     def forward(self, x):
         w, ids = self.route(x)
-        first, second = ids[:, 0], ids[:, 1]
         out = torch.zeros_like(x)
-        for e in second.unique().tolist():
-            (token,) = torch.where(first == e)
-            out.index_add_(0, token, self.experts[e](x[token]) * w[token, 0, None])
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            (every,) = torch.where(w[:, 0] >= 0)
+            chose = torch.zeros_like(w).index_put((token, slot), w[token, slot]).sum(-1, keepdim=True)
+            out.index_add_(0, every, self.experts[e](x[every]) * chose)
+        return out
+
+
+class IdReadAfterTheLoop(PresentIds):
+    """The loop variable read after the loop: the last id present, not the last expert. Kept."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out * (e + 1)
+
+
+class SetOfTensors(PresentIds):
+    """`sorted(set(ids.flatten()))`: 0-dim tensors hash by identity, so every slot's id stays and its
+    expert runs once per occurrence. Kept."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in sorted(set(ids.flatten())):
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class ZeroComputationExpert(PresentIds):
+    """A router over the experts and one identity expert with the next id (LongCat's zero-computation
+    experts): the test `e == self.routed` singles out an id no expert holds. Kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E + 1, bias=False)
+        self.routed = E
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            y = x[token] if e == self.routed else self.experts[e](x[token])
+            out.index_add_(0, token, y * w[token, slot, None])
         return out
 
 
@@ -160,13 +172,15 @@ def test_a_loop_over_the_ids_present_is_fused_in_one_graph(cls, tokens):
 
 @pytest.mark.parametrize(
     ("cls", "reason"),
-    [(UnsortedUnique, None), (UnsortedSet, None), (IdReadAsANumber, "used other than compared"), (RowsOfOtherIds, "are not `torch.where(")],
+    [(UnsortedUnique, None), (UnsortedSet, None), (SetOfTensors, None), (IdReadAsANumber, "used other than in"),
+     (RowsOfEveryToken, "are not `torch.where("), (IdReadAfterTheLoop, "read outside the loop"),
+     (ZeroComputationExpert, "used other than in")],
     ids=lambda c: getattr(c, "__name__", ""),
 )
 def test_a_loop_the_source_does_not_prove_runs_as_written(cls, reason):
     torch.manual_seed(0)
     model = cls().eval()
-    inputs = (torch.randn(6, H),)
+    inputs = (torch.randn(6 if cls is not ZeroComputationExpert else 16, H),)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
@@ -187,5 +201,5 @@ def test_an_id_past_the_experts_raises_at_run_time():
     bad[4, 0] = E
     with pytest.raises(IndexError):
         model(x, bad, w)
-    with pytest.raises(RuntimeError, match="outside 0..number of experts"):
+    with pytest.raises(RuntimeError, match="negative or past the experts"):
         torch.compile(model, backend="hpu_moe", options={"target": "portable"})(x, bad, w)

@@ -343,7 +343,7 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13, 
     def test_loop_over_the_ids_present(self):
         """`for e in ids.unique().tolist():` runs over every expert: one call, and the run-time check that
         every id names an expert (the original raised on `self.experts[e]` otherwise)."""
-        from tests.test_present_ids_loops import PresentIds
+        from tests.loop_models import PresentIds
 
         torch.manual_seed(0)
         _, _, recorder = run_hpu_moe(PresentIds().eval(), (torch.randn(6, 8),))
@@ -362,7 +362,7 @@ graph(in0, in1, in2, in3, in4, in5, in6, in7, in8, in9, in10, in11, in12, in13):
   %9 = aten.lt.Scalar(%5, 4)
   %10 = aten.bitwise_and.Tensor(%8, %9)
   %11 = aten.all(%10)
-  %12 = aten._assert_async.msg(%11, 'an expert id is outside 0..number of experts - 1')
+  %12 = aten._assert_async.msg(%11, 'an expert id is negative or past the experts: the loop over the ids present runs over experts 0..number - 1 under hpu_moe (the original indexed the experts with the id)')
   %13 = moe_passes.mixture_of_experts(in1, %5, %7, [in2, in5, in8, in11], [in3, in6, in9, in12], [in4, in7, in10, in13], True, 'silu', 0, 3)
   return [%13]""")
 

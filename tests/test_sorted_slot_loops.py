@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
-from tests.test_hit_expert_loops import GatedExpert
+from tests.loop_models import GatedExpert
 
 
 class SortedSlots(torch.nn.Module):

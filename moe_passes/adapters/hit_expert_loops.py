@@ -730,8 +730,11 @@ def _check_body(
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
                 selected, cut = _rows_names(stmt, mask, var), _cut_rows(stmt, rows)
                 masked = _mask_of_rows(stmt.value)
-                if masked is None and len(names) == 1 and (gathered := _gathered_at_mask(stmt.value, booleans)):
-                    masked, selected = gathered, names  # `A[M]`: rows that are empty where M holds nowhere
+                if masked is None and mask is None and len(names) == 1 and (
+                        gathered := _gathered_at_mask(stmt.value, booleans)):
+                    # `A[M]`: rows that are empty where M holds nowhere (a loop over every expert: a hit
+                    # loop's rows must be those of its hit mask, which A[M] says nothing of)
+                    masked, selected = gathered, names
                 for name in names:  # a re-bound name no longer holds what an earlier statement bound to it
                     rows.pop(name, None)
                     masks_of.pop(name, None)
@@ -895,6 +898,15 @@ def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
     return rows[index]
 
 
+def _not_read_after(loop: ast.For, var: str, fn_def: ast.FunctionDef) -> None:
+    """The loop variable is read only inside the loop: after a loop that now runs over every expert it
+    would hold the last expert's number, not the last one the original visited."""
+    inside = {id(n) for n in ast.walk(loop)}
+    for node in walk_function(fn_def):
+        if id(node) not in inside and isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id == var:
+            raise NotAdaptable(f"line {node.lineno}: the loop variable {var} is read outside the loop")
+
+
 def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> None:
     """Names bound in the body are bound before use in each iteration and not read after the loop
     (reads in the other arm of an `if` that holds the loop never see the loop's bindings)."""
@@ -1025,6 +1037,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         if selects and (ids := present_ids(node.iter)) is not None:  # `for e in ids.unique().tolist():`
             loop = present_loop(node, ids)
             guards.extend(_check_body(node, loop.var, None, fn_def, present_ids=ids)[0])
+            _not_read_after(node, loop.var, fn_def)
             present.append(loop)
             continue
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
@@ -1044,6 +1057,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
         mask, dims = _hit_test_mask(operand, assignments)
         removable, skips = _check_body(node, node.target.id, mask, fn_def)
+        _not_read_after(node, node.target.id, fn_def)
         guards.extend(removable)
         alias = _element_alias(node.body[0], node.target.id) if node.body else None
         if alias is None:

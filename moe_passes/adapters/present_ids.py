@@ -9,9 +9,10 @@ runs the loop over every expert instead, `range(len(self.experts))`, in the same
 
 Why that is the same computation (checked on the source, else the loop is left as written and the
 reason logged): the body's only effect is one accumulation at the rows `torch.where(ids == e)` (the
-expert-loop adapter's proof), so an expert absent from `ids` adds nothing; the loop variable is only
-compared and used as an index, where a Python int and the 0-dim tensor `torch.unique` yields behave
-alike; `unique` sorts by default, as `range` counts. An id outside 0..len-1, which made the original
+expert-loop adapter's proof), so an expert absent from `ids` adds nothing; the loop variable is read only
+in `ids == e` and as the index of the one container of experts, where a Python int and the 0-dim tensor
+`torch.unique` yields behave alike (any other test of it, `e == n_routed`, could single out an id no
+expert holds), and not after the loop; `unique` sorts by default, as `range` counts. An id outside 0..len-1, which made the original
 raise on `self.experts[e]` (or pick an expert from the end for a negative id), makes the copy raise at
 run time (`present_experts`) rather than skip it.
 """
@@ -43,8 +44,11 @@ def present_ids(sequence: ast.AST) -> str | None:
     other arguments (`sorted=False`, `return_counts`, `dim`) and an unsorted `set` are not taken."""
     if _builtin_call(sequence, "sorted"):
         sequence = sequence.args[0]
-        if _builtin_call(sequence, "set"):  # sorted(set(values)): the distinct values, ascending
-            values = strip_methods(sequence.args[0], _KEEPS_VALUES)
+        if _builtin_call(sequence, "set"):  # sorted(set(values.tolist())): the distinct numbers, ascending
+            listed = sequence.args[0]  # (a set of 0-dim tensors keeps every element: they hash by identity)
+            if call_name(listed) != "tolist" or not isinstance(listed.func, ast.Attribute):
+                return None
+            values = strip_methods(listed, _KEEPS_VALUES)
             return values.id if isinstance(values, ast.Name) else None
     unique = strip_methods(sequence, _KEEPS_VALUES)
     if call_name(unique) != "unique" or not isinstance(unique.func, ast.Attribute):
@@ -83,17 +87,26 @@ def present_loop(loop: ast.For, ids: str) -> PresentLoop:
         parent = parents[node]
         if isinstance(parent, ast.Subscript) and parent.slice is node and isinstance(parent.value, ast.Attribute):
             containers.add(ast.unparse(parent.value))
-        elif not (isinstance(parent, ast.Compare) and len(parent.ops) == 1 and isinstance(parent.ops[0], ast.Eq)):
-            raise NotAdaptable(f"line {node.lineno}: the id {var} is used other than compared or indexing the "
-                               "experts (`unique` yields it as a tensor or an int, `range` as an int)")
+        elif not _compared_with(parent, ids):
+            raise NotAdaptable(f"line {node.lineno}: the id {var} is used other than in `{ids} == {var}` or "
+                               "indexing the experts (a test of it, `e == n_routed`, may single out ids no "
+                               "expert holds; `unique` yields it as a tensor or an int, `range` as an int)")
     if len(containers) != 1:
         raise NotAdaptable(f"line {loop.lineno}: the loop over the ids present indexes "
                            f"{'no' if not containers else 'more than one'} container of experts with {var}")
     return PresentLoop(loop.lineno, var, ids, containers.pop())
 
 
+def _compared_with(node: ast.AST, ids: str) -> bool:
+    """`ids == var` or `var == ids` (the selection of the expert's slots)."""
+    return (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq)
+            and any(isinstance(side, ast.Name) and side.id == ids for side in (node.left, node.comparators[0])))
+
+
 def present_experts(ids: torch.Tensor, count: int) -> int:
     """`count`, the number of experts the copy loops over, once the ids are checked to lie in 0..count-1
     (at run time: the original raised on an expert index out of range)."""
-    torch._assert_async(((ids >= 0) & (ids < count)).all(), "an expert id is outside 0..number of experts - 1")
+    torch._assert_async(((ids >= 0) & (ids < count)).all(),
+                        "an expert id is negative or past the experts: the loop over the ids present runs over "
+                        "experts 0..number - 1 under hpu_moe (the original indexed the experts with the id)")
     return count
