@@ -89,7 +89,11 @@ def adapters_active() -> bool:
 def install(cls: type, traceable_forward: Callable, name: str, method: str = "forward") -> bool:
     """Give `cls` a `method` that runs `traceable_forward` under hpu_moe tracing; False if already done."""
     original = cls.__dict__.get(method, getattr(cls, method))
-    if getattr(original, "__moe_passes_original__", None) is not None:
+    # A forward goes beside methods the same adapter took (TensorRT-LLM's forward and `run_experts`), never
+    # onto a class another adapter owns (the vLLM runners, the vLLM-style layers)
+    owners = _ADAPTED.get(cls)
+    if getattr(original, "__moe_passes_original__", None) is not None or (
+            method == "forward" and owners is not None and name not in owners.split(" + ")):
         return False
 
     @functools.wraps(original)
