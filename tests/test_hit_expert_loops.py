@@ -752,3 +752,87 @@ def test_a_hit_loop_the_source_does_not_prove_is_kept(cls):
     report, output, recorder = run_hpu_moe(model, inputs)
     assert not recorder.fused_nodes(), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class SkipWhenSumIsZero(MaskAnyGuard):
+    """`if chosen.sum() == 0: continue`, `chosen` a comparison: no slot set, the same test as `any`."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            if chosen.sum() == 0:
+                continue
+            token, slot = torch.where(chosen)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+class SkipWhenTorchSumItemIsZero(MaskAnyGuard):
+    """`if torch.sum(chosen).item() == 0: continue`, read on the host: the same test again."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            chosen = ids.eq(e)
+            if torch.sum(chosen).item() == 0:
+                continue
+            token, slot = torch.where(chosen)
+            out[token] += self.experts[e](x[token]) * weights[token, slot, None]
+        return out
+
+
+class BooleanRowsAccumulated(MaskAnyGuard):
+    """`out[rows] += y` at a boolean row mask (`rows = chosen.any(-1)`), skipped when no row is set."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            rows = chosen.any(-1)
+            if not rows.any():
+                continue
+            out[rows] += expert(x[rows]) * (weights * chosen).sum(-1, keepdim=True)[rows]
+        return out
+
+
+class SkipWhenSignedSumIsZero(MaskAnyGuard):
+    """The skip sums a signed score, zero also where slots are set: kept, and the report says so."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            score = (ids == e).float() - (ids == (e + 1) % len(self.experts)).float()
+            if score.sum() == 0:
+                continue
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+@pytest.mark.parametrize(
+    "cls", [SkipWhenSumIsZero, SkipWhenTorchSumItemIsZero, BooleanRowsAccumulated],
+    ids=lambda c: c.__name__,
+)
+def test_a_skip_on_a_boolean_mask_sum_is_removed_and_the_loop_fused(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    inputs = (torch.randn(6, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_skip_on_a_signed_sum_is_kept_and_named():
+    torch.manual_seed(0)
+    model = SkipWhenSignedSumIsZero().eval()
+    inputs = (torch.randn(6, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
+    assert any("keeps its `if` as written" in a and "score.sum() == 0" in a for a in report.advice), report.advice
+    assert_close_for_dtype(output, eager_output(model, inputs))

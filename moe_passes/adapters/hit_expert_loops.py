@@ -315,16 +315,33 @@ def _mask_guarded(stmt: ast.stmt) -> str | None:
     return subject.id if isinstance(subject, ast.Name) else None
 
 
-def _skipped_unless_any(stmt: ast.stmt) -> str | None:
+def _skipped_unless_any(stmt: ast.stmt, booleans: set[str]) -> str | None:
     """M for `if not M.any(): continue` / `if not torch.any(M): continue` (TensorRT-LLM's skip of an
-    expert no slot chose): what follows runs exactly where `_mask_guarded`'s `if M.any():` body would."""
+    expert no slot chose): what follows runs exactly where `_mask_guarded`'s `if M.any():` body would.
+    Also for `if M.sum() == 0: continue` (`torch.sum(M)`, read with `.item()` or `int()`, or
+    `count_nonzero`) where M is a name the body bound to booleans: none of them set, the same test."""
     if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
         return None
     test = stmt.test
-    if not (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)):
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        subject = _any_subject(test.operand)
+        return subject.id if isinstance(subject, ast.Name) else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
         return None
-    subject = _any_subject(test.operand)
-    return subject.id if isinstance(subject, ast.Name) else None
+    sides = [test.left, test.comparators[0]]
+    zero = [s for s in sides if isinstance(s, ast.Constant) and s.value == 0 and not isinstance(s.value, bool)]
+    if len(zero) != 1:
+        return None
+    counted = sides[1 - sides.index(zero[0])]
+    counted = number_read(counted) or counted
+    name = call_name(counted)
+    if name not in ("sum", "count_nonzero") or counted.keywords:
+        return None
+    if isinstance(counted.func, ast.Attribute) and _is_torch(counted.func.value):
+        subject = counted.args[0] if len(counted.args) == 1 else None
+    else:
+        subject = counted.func.value if isinstance(counted.func, ast.Attribute) and not counted.args else None
+    return subject.id if isinstance(subject, ast.Name) and subject.id in booleans else None
 
 
 def _gathered_at_mask(value: ast.AST, booleans: set[str]) -> str | None:
@@ -742,6 +759,8 @@ def _check_body(
                     versions[name] = versions.get(name, 0) + 1
                 if len(names) == 1 and isinstance(stmt, ast.Assign) and boolean_by_construction(stmt.value):
                     booleans.add(names[0])
+                    if mask is None:  # a loop over every expert: `out[M] += y` adds at M's set entries, none
+                        selected, masked = names, names[0]  # where M holds nowhere (the mask is its own)
                 rows.update(dict.fromkeys(selected, stmt.lineno))
                 if masked is not None:
                     masks_of.update(dict.fromkeys(stored_names(targets[0]), (masked, versions.get(masked))))
@@ -767,7 +786,7 @@ def _check_body(
                     for t in (a.targets if isinstance(a, ast.Assign) else [a.target])):
                 mask_guards.append((stmt.lineno, (tested, versions.get(tested))))  # the `elif` arm stays, as written
                 visit(stmt.body)
-            elif (tested := _skipped_unless_any(stmt)) is not None and tested in bound:
+            elif (tested := _skipped_unless_any(stmt, booleans)) is not None and tested in bound:
                 mask_guards.append((stmt.lineno, (tested, versions.get(tested))))
             elif _store_at_tested_mask(stmt, bound) is not None:
                 stores.append(stmt.lineno)
@@ -1048,7 +1067,8 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             if selects and index is not None and any(isinstance(s, ast.If) for s in node.body):
                 try:
                     guards.extend(_check_body(node, index, None, fn_def)[0])
-                except NotAdaptable as exc:
+                except NotAdaptable as exc:  # named in the report where the method broke the graph
+                    kept.append(f"the loop over the experts keeps its `if` as written: {exc}")
                     log.info("expert loop guard kept: %s", exc)
             continue
         if not isinstance(node.target, ast.Name) or node.orelse:

@@ -90,16 +90,23 @@ def call_name(call: ast.AST) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
+# Tensor methods and torch functions whose result is boolean whatever their operands hold
+_BOOLEAN_RESULTS = {"eq", "ne", "lt", "le", "gt", "ge", "any", "all", "isnan", "isinf", "isfinite", "isin",
+                    "logical_and", "logical_or", "logical_not", "logical_xor"}
+
+
 def boolean_by_construction(expr: ast.AST) -> bool:
     """A tensor expression whose values are booleans whatever its operands hold: a comparison, `&`, `|`,
-    `^` or `~` of such expressions, or `.bool()`."""
+    `^` or `~` of such expressions, `.bool()`, or a comparing or reducing call (`M.any(-1)`, `x.eq(e)`)."""
     if isinstance(expr, ast.Compare):
         return True
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr | ast.BitXor):
         return boolean_by_construction(expr.left) and boolean_by_construction(expr.right)
     if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
         return boolean_by_construction(expr.operand)
-    return call_name(expr) == "bool" and isinstance(expr.func, ast.Attribute) and not expr.args
+    if not isinstance(expr, ast.Call) or not isinstance(expr.func, ast.Attribute):
+        return False
+    return (expr.func.attr == "bool" and not expr.args) or expr.func.attr in _BOOLEAN_RESULTS
 
 
 def number_read(expr: ast.AST) -> ast.AST | None:
