@@ -373,6 +373,7 @@ DATA_DEPENDENT_MARKERS = (
     "Dynamic shape operator",
     "data-dependent",
     "_local_scalar_dense",
+    "Tensor.item()",  # a number read from a tensor (also `in` on a tensor, `if x.sum() == 0`)
     "tolist",
     "graph break in loop",
 )

@@ -799,6 +799,37 @@ class BooleanRowsAccumulated(MaskAnyGuard):
         return out
 
 
+class SkipWhenNotIn(MaskAnyGuard):
+    """`if e not in ids: continue` (a tensor's `in` is `(ids == e).any()`), the weights picked with
+    `masked_select`."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            if e not in ids:
+                continue
+            token, _ = torch.where(ids == e)
+            picked = torch.masked_select(weights, ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * picked[:, None])
+        return out
+
+
+class SkipWhenNotInOtherIds(MaskAnyGuard):
+    """The skip tests the first slot's ids, the rows come from both slots': kept."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        first = ids[:, 0]
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            if e not in first:
+                continue
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
 class SkipWhenSignedSumIsZero(MaskAnyGuard):
     """The skip sums a signed score, zero also where slots are set: kept, and the report says so."""
 
@@ -815,7 +846,7 @@ class SkipWhenSignedSumIsZero(MaskAnyGuard):
 
 
 @pytest.mark.parametrize(
-    "cls", [SkipWhenSumIsZero, SkipWhenTorchSumItemIsZero, BooleanRowsAccumulated],
+    "cls", [SkipWhenSumIsZero, SkipWhenTorchSumItemIsZero, BooleanRowsAccumulated, SkipWhenNotIn],
     ids=lambda c: c.__name__,
 )
 def test_a_skip_on_a_boolean_mask_sum_is_removed_and_the_loop_fused(cls):
@@ -828,11 +859,13 @@ def test_a_skip_on_a_boolean_mask_sum_is_removed_and_the_loop_fused(cls):
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
-def test_a_skip_on_a_signed_sum_is_kept_and_named():
+@pytest.mark.parametrize(("cls", "named"), [(SkipWhenSignedSumIsZero, "score.sum() == 0"),
+                                             (SkipWhenNotInOtherIds, "the skip tests first")])
+def test_a_skip_on_another_test_is_kept_and_named(cls, named):
     torch.manual_seed(0)
-    model = SkipWhenSignedSumIsZero().eval()
+    model = cls().eval()
     inputs = (torch.randn(6, 8),)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
-    assert any("keeps its `if` as written" in a and "score.sum() == 0" in a for a in report.advice), report.advice
+    assert any("keeps its `if` as written" in a and named in a for a in report.advice), report.advice
     assert_close_for_dtype(output, eager_output(model, inputs))

@@ -352,6 +352,19 @@ def _gathered_at_mask(value: ast.AST, booleans: set[str]) -> str | None:
     return None
 
 
+def _skipped_unless_present(stmt: ast.stmt, var: str) -> str | None:
+    """X for `if var not in X: continue`: a tensor's `in` is `(X == var).any()`, so the rest of the body
+    runs exactly where `torch.where(X == var)` selects some rows."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return None
+    test = stmt.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotIn)):
+        return None
+    if not (isinstance(test.left, ast.Name) and test.left.id == var and isinstance(test.comparators[0], ast.Name)):
+        return None
+    return test.comparators[0].id
+
+
 def _any_subject(test: ast.AST) -> ast.AST | None:
     """M for the test `M.any()` or `torch.any(M)` (no dim: true when any entry of M is non-zero)."""
     if call_name(test) != "any" or test.keywords:
@@ -726,6 +739,7 @@ def _check_body(
     masks_of: dict[str, tuple] = {}  # rows name -> (the mask whose non-zero entries they are, its binding)
     versions: dict[str, int] = {}  # name -> how many times the body has bound it so far
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
+    absent_skips: list[tuple[int, str]] = []  # (line of `if var not in ids: continue`, ids)
     stores: list[int] = []  # lines of `if torch.any(M): T[M] = v`
     booleans: set[str] = set()  # names the body bound to boolean expressions (`mask = ids == e`)
     skips: list[int] = []
@@ -799,6 +813,8 @@ def _check_body(
                 visit(stmt.orelse)
             elif (counts := _skips_on_count(stmt, var)) is not None:
                 count_guards.append((stmt.lineno, counts))
+            elif (present_in := _skipped_unless_present(stmt, var)) is not None:
+                absent_skips.append((stmt.lineno, present_in))
             else:
                 kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
@@ -809,7 +825,7 @@ def _check_body(
 
     visit(body)
     if stores:  # `if torch.any(M): T[M] = v` is the whole effect of the body
-        if accumulations or mask_guards or count_guards or guards or len(stores) != 1:
+        if accumulations or mask_guards or count_guards or absent_skips or guards or len(stores) != 1:
             raise NotAdaptable(f"line {stores[0]}: a store at its tested mask is not the loop body's only effect")
         _check_locals(loop, bound, fn_def)
         return stores, skips
@@ -836,6 +852,12 @@ def _check_body(
                 "its rows by"
             )
         guards.append((line, accumulated_rows))  # counts[var] == 0: no id equals var, no rows
+    for line, ids in absent_skips:
+        if ids in bound or _selected_by_equality(loop, accumulated_rows, var) != ids:
+            raise NotAdaptable(
+                f"line {line}: the skip tests {ids}, and the accumulation's rows are not `torch.where({ids} == {var})`"
+            )
+        guards.append((line, accumulated_rows))  # var not in ids: no id equals var, no rows
     for line, source in guards:
         if source != accumulated_rows:
             raise NotAdaptable(

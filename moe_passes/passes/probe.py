@@ -58,6 +58,7 @@ PROBE_OPS = (
         aten.arange.start,
         aten.arange.start_step,
         aten.nonzero.default,
+        aten.masked_select.default,  # the entries where a mask holds, in row-major order, as `x[mask]`
         aten.unbind.int,
         operator.getitem,
     }
