@@ -869,3 +869,25 @@ def test_a_skip_on_another_test_is_kept_and_named(cls, named):
     assert report.graph_break_count > 0 and not recorder.fused_nodes(), str(report)
     assert any("keeps its `if` as written" in a and named in a for a in report.advice), report.advice
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class IndexSelectRows(MaskAnyGuard):
+    """Rows gathered with `torch.index_select(x, 0, token)`, added back with the functional `index_add`."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.top_k)
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            token, slot = torch.where(ids == e)
+            out = out.index_add(0, token, self.experts[e](torch.index_select(x, 0, token)) * weights[token, slot, None])
+        return out
+
+
+def test_rows_gathered_with_index_select_are_fused():
+    torch.manual_seed(0)
+    model = IndexSelectRows().eval()
+    inputs = (torch.randn(6, 8),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert len(recorder.fused_nodes()) == 1, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

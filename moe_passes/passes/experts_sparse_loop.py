@@ -248,10 +248,12 @@ def _slot_combine(end: Node, top_k: int) -> tuple[Node, Node] | None:
 
 
 def _gather_source(rows_value: Node, index: Node) -> Node | None:
-    """x when `rows_value` is x[index] or x[None, index] (the expert's input rows), or x[B][M] where
-    `index` is B[M]: TensorRT-LLM gathers every routed row once, then each expert's at its mask, and
-    (x[B])[M] is x[B[M]] for any one index M along dim 0, boolean or integer."""
+    """x when `rows_value` is x[index], `index_select(x, 0, index)` or x[None, index] (the expert's input
+    rows), or x[B][M] where `index` is B[M]: TensorRT-LLM gathers every routed row once, then each
+    expert's at its mask, and (x[B])[M] is x[B[M]] for any one index M along dim 0, boolean or integer."""
     node = strip_shape_ops(rows_value)
+    if is_call(node, aten.index_select.default) and node.args[1] == 0 and node.args[2] is index:
+        return node.args[0]  # `torch.index_select(x, 0, index)`: x[index]
     if not is_call(node, aten.index.Tensor):
         return None
     base, indices = node.args[0], list(node.args[1])
