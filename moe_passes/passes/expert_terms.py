@@ -191,6 +191,18 @@ def read_term(node: Node) -> ExpertTerm | None:
     return None
 
 
+def reads_as_mlp(output: Node) -> bool:
+    """`output` (through casts and views) is one expert's gated MLP."""
+    return _read_mlp(strip_casts(output)) is not None
+
+
+def weighted_output(output: Node, coefficient: Node) -> ExpertTerm | None:
+    """`output` read as an expert's MLP whose per-token weight is `coefficient`, applied by a combine that
+    is no product with this output alone (a column of a table the stacked outputs are multiplied by)."""
+    mlp = _read_mlp(strip_casts(output))
+    return None if mlp is None else _term(output, strip_casts(output), coefficient, mlp)
+
+
 RESIDUAL_INSIDE = (
     "an expert adds a tensor to its MLP's output inside the expert (a residual: `x + MLP(norm(x))`); the "
     "fused kernel computes the gated MLP alone"

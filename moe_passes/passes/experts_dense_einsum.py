@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..fx_utils import arguments, const_int, dtype, is_call, is_cast, shape, through_trailing_cast, val
+from ..fx_utils import const_int, dtype, is_call, shape, through_trailing_cast, val
 from . import probe
 from .axes import VIEW_OPS, contraction, frontier, top_of_views
+from .combines import picked_outputs, table_labels
 from .finder import Finder, each_anchor
 from .matches import (
     EMPTY_BATCH,
@@ -50,31 +51,6 @@ def _experts_product(node: Node) -> bool:
     return is_call(node, aten.mul.Tensor) and gated_product(node) is not None and len(shape(node) or ()) == 3
 
 
-def _routing_table(node: Node) -> bool:
-    """A floating 2-D tensor built from integer ids and one other tensor (the weights) alone: read as one
-    leaf, not through its own products."""
-    value = val(node)
-    if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.is_floating_point()):
-        return False
-    return probe.builds_table(node) and len(probe.table_sources(node)[0]) == 2
-
-
-def _table_labels(node: Node) -> tuple[Node, tuple] | None:
-    """(the 2-D routing table, labels of `node`'s dims) when `node` is the table, or a cast of it with
-    size-1 dims inserted (`table.unsqueeze(-1).to(y.dtype)`): ("t", "e") with None at the inserted dims."""
-    inserted = []
-    while is_cast(node) or is_call(node, aten.unsqueeze.default):
-        if is_call(node, aten.unsqueeze.default):
-            inserted.append(node.args[1] % len(shape(node)))
-        node = node.args[0]
-    if not _routing_table(node):
-        return None
-    labels: list = ["t", "e"]
-    for dim in reversed(inserted):  # innermost unsqueeze first
-        labels.insert(dim, None)
-    return node, tuple(labels)
-
-
 @dataclass(frozen=True)
 class _Combine:
     """How the experts' outputs y[e, t] = (act(gate) * up)[e, t] @ W_down[e] reach the result: weighted
@@ -85,53 +61,6 @@ class _Combine:
     down: Node  # W_down, [E, ., .]
     table: tuple[Node, Node, tuple] | None = None
     picked: tuple[Node, Node, Node, tuple] | None = None
-
-
-def _token_column(node: object, tokens: object) -> bool:
-    """`node` is arange(T) as a column ([T, 1], or expanded to [T, k]): row t holds t."""
-    dims = shape(node) if isinstance(node, Node) else None
-    if not dims or len(dims) != 2 or not same_size(dims[0], tokens):
-        return False
-    while is_call(node, aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default) or (
-            _keeps_everything(node)):
-        node = node.args[0]
-    args = arguments(node) if is_call(node, aten.arange.default, aten.arange.start, aten.arange.start_step) else None
-    if args is None or args.get("start", 0) != 0 or args.get("step", 1) != 1:
-        return False
-    end = args.get("end")
-    return same_size(end.meta.get("val") if isinstance(end, Node) else end, tokens)
-
-
-def _keeps_everything(node: Node) -> bool:
-    """A slice with step 1 whose result is as large as its input (`t[:, None]` under dynamic shapes)."""
-    args = arguments(node) if is_call(node, aten.slice.Tensor) else None
-    return args is not None and args.get("step", 1) == 1 and len(shape(node)) == len(shape(args["input"])) and all(
-        same_size(a, b) for a, b in zip(shape(node), shape(args["input"]), strict=True))
-
-
-def _chosen_ids(node: object) -> bool:
-    value = val(node)
-    return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() and value.dtype != torch.bool
-
-
-def _picked_outputs(node: Node) -> tuple[Node, Node, tuple] | None:
-    """(y, ids, y's labels) when node[t, a, o] = y[t, ids[t, a], o]: `y[arange(T)[:, None], ids]` (the
-    indices on y's [T, E] or [E, T] dims) or `y.gather(1, ids[..., None].expand(T, k, O))`."""
-    if is_call(node, aten.index.Tensor) and len(shape(node.args[0]) or ()) == 3 and len(node.args[1]) == 2:
-        y, (first, second) = node.args
-        for rows, ids, labels in ((first, second, ("t", "e", "o")), (second, first, ("e", "t", "o"))):
-            if _chosen_ids(ids) and _token_column(rows, shape(ids)[0]):
-                return y, ids, labels
-    args = arguments(node) if is_call(node, aten.gather.default) else None
-    if args is not None and len(shape(args["input"]) or ()) == 3 and args["dim"] % 3 == 1:
-        index = args["index"]
-        if is_call(index, aten.expand.default):
-            index = index.args[0]
-        if is_call(index, aten.unsqueeze.default) and index.args[1] % 3 == 2 and _chosen_ids(index.args[0]):
-            ids = index.args[0]
-            if same_size(shape(ids)[0], shape(node)[0]) and same_size(shape(ids)[1], shape(node)[1]):
-                return args["input"], ids, ("t", "e", "o")
-    return None
 
 
 def _experts_and_down(y: Node) -> tuple[Node, Node] | None:
@@ -146,21 +75,21 @@ def _experts_and_down(y: Node) -> tuple[Node, Node] | None:
 
 def _read_combine(out: Node) -> _Combine | None:
     """The combine `out` is, told by its leaves (the contraction itself is proved in `match_at`)."""
-    leaves = frontier(out, stop=lambda n: _experts_product(n) or _table_labels(n) is not None
-                      or _picked_outputs(n) is not None, products=True)
+    leaves = frontier(out, stop=lambda n: _experts_product(n) or table_labels(n) is not None
+                      or picked_outputs(n) is not None, products=True)
     if leaves is None:
         return None
     if len(leaves) == 3:
         product = next((leaf for leaf in leaves if _experts_product(leaf)), None)
         rest = [leaf for leaf in leaves if leaf is not product]
-        table = next((leaf for leaf in rest if _table_labels(leaf) is not None), None)
+        table = next((leaf for leaf in rest if table_labels(leaf) is not None), None)
         weight = next((leaf for leaf in rest if leaf is not table and len(shape(leaf) or ()) == 3), None)
         if product is not None and table is not None and weight is not None:
-            return _Combine(product, weight, table=(table, *_table_labels(table)))
-    picks = [leaf for leaf in leaves if _picked_outputs(leaf) is not None]
+            return _Combine(product, weight, table=(table, *table_labels(table)))
+    picks = [leaf for leaf in leaves if picked_outputs(leaf) is not None]
     if len(picks) != 1:
         return None
-    y, ids, labels = _picked_outputs(picks[0])
+    y, ids, labels = picked_outputs(picks[0])
     # The weights are read whole, whatever products made them (a scale that is a tensor once shapes are
     # dynamic): the leaf is the [T, k] floating tensor that multiplies the picked outputs.
     leaves = frontier(out, stop=lambda n: n is picks[0] or _shaped_like(n, ids), products=True)
@@ -181,7 +110,7 @@ def _shaped_like(node: Node, ids: Node) -> bool:
 def _is_candidate(node: Node) -> bool:
     """The combine's bmm or sum, or for top-1 picks (nothing to sum) its product with the weights."""
     if is_call(node, aten.mul.Tensor):
-        picks = [p for arg in node.args if isinstance(arg, Node) and (p := _picked_outputs(_below_views(arg)))]
+        picks = [p for arg in node.args if isinstance(arg, Node) and (p := picked_outputs(_below_views(arg)))]
         if not picks or const_int(shape(picks[0][1])[1]) != 1:
             return False
         top = top_of_views(node)
@@ -305,7 +234,7 @@ def _down_read(combine: _Combine, out: Node, sizes: dict) -> tuple[bool, tuple] 
                     return out_in, order
                 continue
             ids, weights, picking, y_labels = combine.picked
-            y = _picked_outputs(picking)[0]
+            y = picked_outputs(picking)[0]
             picked_sizes = {**sizes, "a": shape(ids)[1]}
             combined = contraction(out, {weights: ("t", "a"), picking: ("t", "a", "o")})
             experts = contraction(y, {product: order, down: labels})
