@@ -142,7 +142,7 @@ def _build_report(opts: Options, records, events: _DynamoEvents) -> Report:
         )
         for step, seconds in record.seconds.items():
             report.pass_seconds[step] = round(report.pass_seconds.get(step, 0.0) + seconds, 6)
-    break_locations = [b.location for b in report.graph_breaks if b.location]
+    break_locations = list(dict.fromkeys(where for b in report.graph_breaks for where in _user_locations(b) if where))
     report.advice = advice_for_breaks(report.break_reasons, break_locations, report.graph_breaks) + advice_for_recompiles(
         report
     )
@@ -465,6 +465,16 @@ def excluded_code_advice(break_reasons: list[str], graph_breaks: list[GraphBreak
         "into it, so an MoE computation inside it runs eagerly and is not fused. Where the exclusion is not "
         "needed (a decorator kept for a kernel the model no longer calls), removing it lets hpu_moe see the layer"
     ]
+
+
+_TORCH_DIR = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+
+
+def _user_locations(graph_break: GraphBreak) -> tuple[str, ...]:
+    """Where a break happened, and, where that is torch's own code (a tensor's `in` breaks inside
+    `Tensor.__contains__` on some versions), the deepest frame outside torch: the line that called it."""
+    outside = [f for f in graph_break.user_stack if not os.path.realpath(f.file).startswith(_TORCH_DIR)]
+    return (graph_break.location, *([f"{outside[-1].file}:{outside[-1].line}"] if outside else []))
 
 
 def _exchanges_tokens(location: str, around: int = 12) -> bool:
