@@ -50,6 +50,19 @@ class SortedSlots(torch.nn.Module):
         return self.run_experts(x, self.gathered_rows(x, tokens), scales, sorted_ids, tokens)
 
 
+class SortedSlotsInlineTokens(SortedSlots):
+    """The tokens picked at the mask inside the accumulation, `out[tokens[mask]] += ...`."""
+
+    def run_experts(self, x, rows, scales, sorted_ids, tokens):
+        out = torch.zeros(x.shape, dtype=x.dtype)
+        for e in range(self.first, self.last):
+            mask = sorted_ids == e
+            if not torch.any(mask):
+                continue
+            out[tokens[mask]] += self.experts[e](rows[mask]) * scales[mask]
+        return out
+
+
 class SortedSlotsOtherRows(SortedSlots):
     """The expert's rows are gathered in another order than the tokens they are added back to: kept."""
 
@@ -59,9 +72,10 @@ class SortedSlotsOtherRows(SortedSlots):
 
 @pytest.mark.parametrize("tokens", [6, 1], ids=["default", "decode"])
 @pytest.mark.parametrize("experts", [(0, 4), (1, 3)], ids=["all", "rank-range"])
-def test_sorted_slots_are_fused_in_one_graph(tokens, experts):
+@pytest.mark.parametrize("cls", [SortedSlots, SortedSlotsInlineTokens], ids=lambda c: c.__name__)
+def test_sorted_slots_are_fused_in_one_graph(tokens, experts, cls):
     torch.manual_seed(0)
-    model = SortedSlots(first=experts[0], last=experts[1]).eval()
+    model = cls(first=experts[0], last=experts[1]).eval()
     inputs = (torch.randn(tokens, 8),)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)

@@ -750,6 +750,15 @@ def _check_body(
     elif mask is not None and body and (alias := _element_alias(body[0], var)) is not None:
         body, var = body[1:], alias  # the body reads the expert's number under the alias
 
+    def at_mask(accumulation) -> None:
+        """`out[A[M]] += y` (or index_add_ at `A[M]`), M bound in the body to booleans, in a loop over every
+        expert: rows empty where M holds nowhere, as for `rows = A[M]` bound first."""
+        index = _accumulation_index(accumulation)
+        key = _parse_expr(index) if index is not None and "[" in index else None
+        if mask is None and key is not None and (gathered := _gathered_at_mask(key, booleans)) is not None:
+            rows[index] = accumulation.lineno
+            masks_of[index] = (gathered, versions.get(gathered))
+
     def visit(statements):
         for stmt in statements:
             if _moves_itself(stmt):
@@ -787,8 +796,10 @@ def _check_body(
                 visit(stmt.body)
             elif isinstance(stmt, ast.Expr) and call_name(stmt.value) in _ACCUMULATORS:
                 accumulations.append(stmt.value)
+                at_mask(stmt.value)
             elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Subscript):
                 accumulations.append(stmt)
+                at_mask(stmt)
             elif isinstance(stmt, ast.Pass):
                 pass
             elif (source := _emptiness_guard(stmt, rows)) is not None:
@@ -907,6 +918,8 @@ def _accumulation_index(acc) -> str | None:
     else:
         indices = acc.args[0] if acc.args else None
         index = indices.elts[0] if isinstance(indices, ast.Tuple | ast.List) and len(indices.elts) == 1 else None
+    if isinstance(index, ast.Subscript) and isinstance(index.value, ast.Name) and isinstance(index.slice, ast.Name):
+        return ast.unparse(index)  # `out[tok[m]] += y`: rows gathered at a mask in the statement itself
     return index.id if isinstance(index, ast.Name) else None
 
 

@@ -1,0 +1,403 @@
+"""A sweep of MoE spellings written afresh, none of them from the catalog or the corpus: what
+`backend="hpu_moe"` does with each (fused / declined with the reason / graphs and breaks), beside eager.
+
+These are the ways hand-written MoE blocks select, skip, gather, combine and stack experts that the
+project had no test for when the sweep was written (2026-11-28)
+running it on an older commit measures
+how the capture code generalises. Each block: 4 SiLU-gated experts of hidden size 8, top-2 routing, 7
+tokens, inner backend eager, default dynamo settings.
+
+    python tools/spelling_sweep.py            # markdown table on stdout
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+H, E, K = 8, 4, 2
+
+
+class Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Linear(H, 2 * H, bias=False)
+        self.w3 = torch.nn.Linear(H, 2 * H, bias=False)
+        self.w2 = torch.nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Base(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(Expert() for _ in range(E))
+
+    def route(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K)
+        return w / w.sum(-1, keepdim=True), ids
+
+
+class SumSkip(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            mask = ids == e
+            if mask.sum() == 0:
+                continue
+            token, slot = torch.where(mask)
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class TorchSumSkip(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = ids == e
+            if torch.sum(mask) == 0:
+                continue
+            token, slot = torch.where(mask)
+            out[token] += expert(x[token]) * w[token, slot, None]
+        return out
+
+
+class ItemSkip(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            mask = ids == e
+            if mask.sum().item() == 0:
+                continue
+            token, slot = torch.where(mask)
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class NonzeroAsTuple(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            if token.shape[0] == 0:
+                continue
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot].unsqueeze(-1))
+        return out
+
+
+class FlatMaskWeights(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            mask = ids == e
+            tok = mask.any(-1)
+            if not tok.any():
+                continue
+            y = self.experts[e](x[tok]) * (w * mask).sum(-1, keepdim=True)[tok]
+            out[tok] += y
+        return out
+
+
+class WhileLoop(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        e = 0
+        while e < E:
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+            e += 1
+        return out
+
+
+class RepeatInterleaveDispatch(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        xs = x.repeat_interleave(K, dim=0)
+        flat = ids.view(-1)
+        y = torch.empty_like(xs)
+        for e in range(E):
+            y[flat == e] = self.experts[e](xs[flat == e])
+        return (y.view(-1, K, H) * w.unsqueeze(-1)).sum(1)
+
+
+class SignedSumSkip(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            score = (ids == e).float() - (ids == (e + 1) % E).float()
+            if score.sum() == 0:
+                continue
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class NonzeroColumns(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            idx = torch.nonzero(ids == e)
+            tok, slot = idx[:, 0], idx[:, 1]
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot].unsqueeze(1))
+        return out
+
+
+class OneHotLastDim(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        m = F.one_hot(ids, E)
+        for e in range(E):
+            tok, slot = torch.where(m[..., e])
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+class BoolWeights2D(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            mask = (ids == i).any(dim=-1)
+            wi = w[ids == i]
+            out[mask] += wi[:, None] * expert(x[mask])
+        return out
+
+
+class NotInSkip(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            if e not in ids:
+                continue
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+class StackGather(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        y = torch.stack([expert(x) for expert in self.experts], dim=1)  # [T, E, H]
+        picked = torch.gather(y, 1, ids[..., None].expand(-1, -1, H))
+        return (picked * w[..., None]).sum(1)
+
+
+class DenseMaskLoop(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            we = (w * (ids == e)).sum(-1, keepdim=True)
+            out = out + we * self.experts[e](x)
+        return out
+
+
+class MaskedSelectWeights(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            m = ids == e
+            tok = m.nonzero()[:, 0]
+            we = torch.masked_select(w, m)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * we[:, None])
+        return out
+
+
+class StackTable(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        table = torch.zeros(x.shape[0], E).scatter(1, ids, w)
+        y = torch.stack([expert(x) for expert in self.experts], dim=1)  # [T, E, H]
+        return (y * table[..., None]).sum(1)
+
+
+class StackEinsum(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        table = torch.zeros(x.shape[0], E).scatter(1, ids, w)
+        y = torch.stack([expert(x) for expert in self.experts], dim=0)  # [E, T, H]
+        return torch.einsum("eth,te->th", y, table)
+
+
+class StackIndexPick(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        y = torch.stack([expert(x) for expert in self.experts], dim=1)  # [T, E, H]
+        picked = y[torch.arange(x.shape[0])[:, None], ids]
+        return (picked * w[..., None]).sum(1)
+
+
+class SortSplitLoop(Base):
+    """sort slots by expert, split by bincount, loop pieces (DeepSeek-like moe_infer with cat + scatter back)."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        flat = ids.view(-1)
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=E).tolist()
+        rows = x[order // K]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            outs.append(self.experts[e](rows[start : start + n]))
+            start += n
+        y = torch.cat(outs)
+        back = torch.empty_like(y)
+        back[order] = y
+        return (back.view(-1, K, H) * w[..., None]).sum(1)
+
+
+class ScatterAddCombine(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok]) * w[tok, slot][:, None]
+            out.scatter_add_(0, tok[:, None].expand(-1, H), y)
+        return out
+
+
+class IndexSelectGather(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](torch.index_select(x, 0, tok)) * w[tok, slot].unsqueeze(-1)
+            out = out.index_add(0, tok, y)
+        return out
+
+
+class Top1Argmax(Base):
+    def forward(self, x):
+        probs = self.gate(x).softmax(-1)
+        w, ids = probs.max(-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            m = ids == e
+            out[m] = self.experts[e](x[m]) * w[m, None]
+        return out
+
+
+class UniqueIds(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in ids.flatten().unique().tolist():
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+class UniqueTensorIds(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+class SortedSlots(Base):
+    def forward(self, x):
+        w, ids = self.route(x)
+        order = torch.argsort(ids.flatten())
+        sorted_ids = ids.flatten()[order]
+        tok, slot = torch.where(ids >= 0)
+        tok, slot = tok[order], slot[order]
+        rows, scales = x[tok], w[tok, slot, None]
+        return self.run_experts(x, rows, scales, sorted_ids, tok)
+
+    def run_experts(self, x, rows, scales, sorted_ids, tok):
+        out = torch.zeros_like(x)
+        for e in range(E):
+            m = sorted_ids == e
+            if not torch.any(m):
+                continue
+            out[tok[m]] += self.experts[e](rows[m]) * scales[m]
+        return out
+
+
+BLOCKS = [
+    c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, Base) and c is not Base
+]
+
+
+def measure(cls) -> dict:
+    from moe_passes.explain import explain_and_run
+
+    torch.manual_seed(0)
+    model = cls().eval()
+    x = torch.randn(7, H)
+    row = {
+        "block": cls.__name__,
+        "spelling": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+    }
+    with torch.no_grad():
+        expected = model(x)
+        torch._dynamo.reset()
+        try:
+            report, output = explain_and_run(model, x, options={"inner": "eager", "target": "portable"})
+        except Exception as error:  # noqa: BLE001 - the outcome under test
+            return {
+                **row,
+                "outcome": "RAISES",
+                "detail": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}",
+            }
+    error = (output - expected).abs().max().item()
+    if report.fused:
+        outcome = "fused" if error <= 1e-5 else "WRONG"
+        detail = report.fused[0].form
+    elif report.declined:
+        outcome, detail = "declined", report.declined[0].reason
+    elif report.graph_break_count or report.graph_count != 1:
+        outcome, detail = "not captured", ""
+    else:
+        outcome, detail = "no candidate", ""
+    return {
+        **row,
+        "outcome": outcome,
+        "detail": detail[:110],
+        "graphs": report.graph_count,
+        "breaks": report.graph_break_count,
+        "error": error,
+    }
+
+
+def main() -> int:
+    warnings.simplefilter("ignore")
+    rows = [measure(cls) for cls in BLOCKS]
+    print("| block | outcome | form or reason | graphs, breaks |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['block']} | {r['outcome']} | {r.get('detail', '')} | {r.get('graphs', '-')}, {r.get('breaks', '-')} |"
+        )
+    counts = {}
+    for r in rows:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    print(f"\n{len(rows)} blocks: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    return 0 if not any(r["outcome"] in ("RAISES", "WRONG") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
