@@ -65,7 +65,7 @@ OUTCOMES = {
     "openmoe": "declined",
     "opennmt_moe": "declined",
     "phi35_moe": "fused",
-    "skywork_moe_plus_plus": "declined",
+    "skywork_moe_plus_plus": "fused",
     "time_moe": "fused",
     "torchao_mixtral_moe": "declined",
     "torchscale_xmoe": "declined",
