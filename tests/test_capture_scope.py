@@ -124,6 +124,7 @@ def test_discovery_looks_at_each_class_once(monkeypatch):
     from moe_passes.adapters import discovery, hit_expert_loops
 
     discovery.prepare()  # every class loaded so far looked at
+    seen_before = set(discovery._examined)
     looked_at = []
     original = hit_expert_loops.adaptations_of
     monkeypatch.setattr(hit_expert_loops, "adaptations_of", lambda cls: looked_at.append(cls) or original(cls))
@@ -133,9 +134,12 @@ def test_discovery_looks_at_each_class_once(monkeypatch):
             return x
 
     discovery.adapt_new_classes()
-    assert looked_at == [DefinedAfterwards]
+    # A class made elsewhere and not looked at yet (a GraphModule's own subclass, made as another was
+    # freed, leaves the count of classes as it was) is looked at with it, once.
+    assert looked_at.count(DefinedAfterwards) == 1 and not seen_before & set(looked_at), looked_at
+    first = list(looked_at)
     discovery.adapt_new_classes()
-    assert looked_at == [DefinedAfterwards]
+    assert looked_at == first
 
 
 def test_a_class_whose_forward_is_replaced_is_looked_at_again(monkeypatch):
