@@ -142,6 +142,50 @@ def test_discovery_looks_at_each_class_once(monkeypatch):
     assert looked_at == first
 
 
+def test_a_class_made_as_another_is_freed_is_looked_at(monkeypatch):
+    """The count of loaded classes stays as it was when one is freed and another made (a GraphModule's
+    own subclass): the new one is still looked at before the next hpu_moe compile."""
+    import gc
+
+    from moe_passes.adapters import discovery, hit_expert_loops
+
+    class Freed(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    discovery.prepare()
+    del Freed
+    gc.collect()
+
+    class MadeInstead(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    looked_at = []
+    original = hit_expert_loops.adaptations_of
+    monkeypatch.setattr(hit_expert_loops, "adaptations_of", lambda cls: looked_at.append(cls) or original(cls))
+    discovery.adapt_new_classes()
+    assert MadeInstead in looked_at
+
+
+def test_a_class_looked_at_is_freed_with_its_last_use():
+    """Discovery looks at every loaded class (each GraphModule makes its own): none is kept alive by it."""
+    import gc
+    import weakref
+
+    from moe_passes.adapters import discovery
+
+    class Gone(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    discovery.prepare()
+    gone = weakref.ref(Gone)
+    del Gone
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_class_whose_forward_is_replaced_is_looked_at_again(monkeypatch):
     """LongCat-Next patches its MoE class's forward at run time: the class is looked at again then."""
     from moe_passes.adapters import discovery, hit_expert_loops

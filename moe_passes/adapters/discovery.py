@@ -111,10 +111,11 @@ def _install_adapters(cls: type) -> bool:
 
 
 def adapt_new_classes() -> None:
-    """Adapt the nn.Module classes defined since the last look (cheap when there are none)."""
+    """Adapt the nn.Module classes defined since the last look (cheap when there are none). A class made
+    as another was freed leaves the count as it was: one not looked at yet is found by membership."""
     global _seen_subclass_count
     classes = _module_classes()
-    if len(classes) != _seen_subclass_count:
+    if len(classes) != _seen_subclass_count or any(cls not in _examined for cls in classes):
         _seen_subclass_count = len(classes)
         adapt()
 

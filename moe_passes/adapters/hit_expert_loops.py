@@ -65,6 +65,7 @@ import inspect
 import logging
 import os
 import types
+import weakref
 from copy import deepcopy
 
 import torch
@@ -2031,7 +2032,9 @@ def _instance_name(fn_def: ast.FunctionDef) -> str | None:
     return fn_def.args.args[0].arg if fn_def.args.args else None
 
 
-_HELD: dict[type, dict[str, tuple[types.FunctionType, types.FunctionType]]] = {}
+# weak: a class looked at (every class discovery sees, GraphModules' own included) is freed with its last use
+_HELD: weakref.WeakKeyDictionary[type, dict[str, tuple[types.FunctionType, types.FunctionType]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def held_functions(cls: type) -> dict[str, tuple[types.FunctionType, types.FunctionType]]:
