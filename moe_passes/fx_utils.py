@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.fx import Node
+from torch.fx.node import map_arg
 from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
@@ -231,3 +232,26 @@ def source_line(node: Node) -> str:
     line = rest.split("line", 1)[-1].split(",")[0].strip()
     function = rest.split(" in ", 1)[-1].strip() if " in " in rest else ""
     return f"{path.rsplit('/', 1)[-1]}:{line}" + (f" in {function}" if function else "")
+
+
+class Emitter:
+    """Creates nodes with fake values, so later passes and backends see shapes and dtypes."""
+
+    def __init__(self, graph: torch.fx.Graph, fake_mode):
+        self.graph = graph
+        self.fake_mode = fake_mode
+
+    def call(self, target, args=(), kwargs=None) -> Node:
+        kwargs = kwargs or {}
+        node = self.graph.call_function(target, args, kwargs)
+        with self.fake_mode:
+            node.meta["val"] = target(*map_arg(args, val), **map_arg(kwargs, val))
+        return node
+
+    def getitems(self, node: Node, count: int) -> list[Node]:
+        items = []
+        for i in range(count):
+            item = self.graph.call_function(operator.getitem, (node, i))
+            item.meta["val"] = node.meta["val"][i]
+            items.append(item)
+        return items

@@ -38,6 +38,7 @@ from .source_ast import (
     function_source,
     loads,
     number_read,
+    skip_test,
     span,
     stored_names,
     strip_methods,
@@ -184,9 +185,9 @@ def _count_variable(loop: ast.For) -> str | None:
 
 def _skips_zero_count(stmt: ast.stmt, n: str) -> bool:
     """`if n == 0: continue` or `if not n: continue`."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+    test = skip_test(stmt)
+    if test is None:
         return False
-    test = stmt.test
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return isinstance(test.operand, ast.Name) and test.operand.id == n
     return (
@@ -505,9 +506,9 @@ def _previous_offset(body: list[ast.stmt], index: str, offsets: str) -> str | No
 
 def _skips_equal(stmt: ast.stmt, start: str, end: str) -> bool:
     """`if start == end: continue` (either order)."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+    test = skip_test(stmt)
+    if test is None:
         return False
-    test = stmt.test
     return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
             and {ast.unparse(test.left), ast.unparse(test.comparators[0])} == {start, end})
 

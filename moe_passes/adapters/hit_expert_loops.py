@@ -112,6 +112,7 @@ from .source_ast import (
     function_source,
     loop_index,
     number_read,
+    skip_test,
     span,
     stored_names,
     strip_methods,
@@ -272,9 +273,9 @@ def _rows_names(stmt: ast.stmt, mask: str | None, var: str) -> list[str]:
 def _skip_when_empty(stmt: ast.stmt, rows: dict[str, int]) -> int | None:
     """`if rows.shape[0] == 0: continue` (or `.numel() == 0`, `len(rows) == 0`, `not rows.numel()`):
     the line of the statement that bound those rows, else None."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+    test = skip_test(stmt)
+    if test is None:
         return None
-    test = stmt.test
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return _size_of_rows(test.operand, rows)
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
@@ -321,9 +322,9 @@ def _skipped_unless_any(stmt: ast.stmt, booleans: set[str]) -> str | None:
     expert no slot chose): what follows runs exactly where `_mask_guarded`'s `if M.any():` body would.
     Also for `if M.sum() == 0: continue` (`torch.sum(M)`, read with `.item()` or `int()`, or
     `count_nonzero`) where M is a name the body bound to booleans: none of them set, the same test."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+    test = skip_test(stmt)
+    if test is None:
         return None
-    test = stmt.test
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         subject = _any_subject(test.operand)
         return subject.id if isinstance(subject, ast.Name) else None
@@ -356,9 +357,9 @@ def _gathered_at_mask(value: ast.AST, booleans: set[str]) -> str | None:
 def _skipped_unless_present(stmt: ast.stmt, var: str) -> str | None:
     """X for `if var not in X: continue`: a tensor's `in` is `(X == var).any()`, so the rest of the body
     runs exactly where `torch.where(X == var)` selects some rows."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+    test = skip_test(stmt)
+    if test is None:
         return None
-    test = stmt.test
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.NotIn)):
         return None
     if not (isinstance(test.left, ast.Name) and test.left.id == var and isinstance(test.comparators[0], ast.Name)):
@@ -590,8 +591,7 @@ def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
 def _branches_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
     """`if <test of var>: ... else: ...` that is not a skip (LongCat-Flash's `if expert_idx >=
     num_routed: identity else: MLP`): which arm runs is fixed for a row."""
-    return isinstance(stmt, ast.If) and _index_test(stmt.test, var, bound) and not (
-        not stmt.orelse and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Continue))
+    return isinstance(stmt, ast.If) and _index_test(stmt.test, var, bound) and skip_test(stmt) is None
 
 
 def _guarded_containers(loop: ast.For, alias: str) -> tuple[tuple[tuple[tuple[str, bool], ...], str, int], ...]:
@@ -654,17 +654,16 @@ def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str], var: 
 def _skips_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
     """`if <test>: continue` whose test reads the loop variable and otherwise only values fixed before
     the loop (names not bound in the body, attributes, constants; no calls)."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
-        return False
-    return _index_test(stmt.test, var, bound)
+    test = skip_test(stmt)
+    return test is not None and _index_test(test, var, bound)
 
 
 def _skips_on_count(stmt: ast.stmt, var: str) -> str | None:
     """C for `if C[var] == 0: continue` / `if not C[var]: continue` (DeepSeek-V3's skip of an expert no
     token chose, on counts read to the host before the loop)."""
-    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+    test = skip_test(stmt)
+    if test is None:
         return None
-    test = stmt.test
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         read = test.operand
     elif (
@@ -754,9 +753,9 @@ def _check_body(
     def at_mask(accumulation) -> None:
         """`out[A[M]] += y` (or index_add_ at `A[M]`), M bound in the body to booleans, in a loop over every
         expert: rows empty where M holds nowhere, as for `rows = A[M]` bound first."""
-        index = _accumulation_index(accumulation)
-        key = _parse_expr(index) if index is not None and "[" in index else None
-        if mask is None and key is not None and (gathered := _gathered_at_mask(key, booleans)) is not None:
+        gathered = _gathered_at_mask(_index_expression(accumulation), booleans)
+        index = _accumulation_index(accumulation)  # None unless A is a name
+        if mask is None and gathered is not None and index is not None:
             rows[index] = accumulation.lineno
             masks_of[index] = (gathered, versions.get(gathered))
 
@@ -910,17 +909,22 @@ def _cut_rows(stmt: ast.stmt, rows: dict[str, int]) -> str | None:
     return None
 
 
-def _accumulation_index(acc) -> str | None:
-    """The name of the rows an accumulation statement (`_check_accumulation`'s forms) adds at."""
+def _index_expression(acc) -> ast.expr | None:
+    """The index an accumulation statement (`_check_accumulation`'s forms) adds at, as written."""
     if isinstance(acc, ast.AugAssign):
-        index = acc.target.slice
-    elif acc.func.attr == "index_add_":
-        index = acc.args[1] if len(acc.args) > 1 else next((k.value for k in acc.keywords if k.arg == "index"), None)
-    else:
-        indices = acc.args[0] if acc.args else None
-        index = indices.elts[0] if isinstance(indices, ast.Tuple | ast.List) and len(indices.elts) == 1 else None
+        return acc.target.slice
+    if acc.func.attr == "index_add_":
+        return acc.args[1] if len(acc.args) > 1 else next((k.value for k in acc.keywords if k.arg == "index"), None)
+    indices = acc.args[0] if acc.args else None
+    return indices.elts[0] if isinstance(indices, ast.Tuple | ast.List) and len(indices.elts) == 1 else None
+
+
+def _accumulation_index(acc) -> str | None:
+    """The name of the rows an accumulation statement adds at, or `A[M]` for rows gathered at a mask in
+    the statement itself (`out[tok[m]] += y`)."""
+    index = _index_expression(acc)
     if isinstance(index, ast.Subscript) and isinstance(index.value, ast.Name) and isinstance(index.slice, ast.Name):
-        return ast.unparse(index)  # `out[tok[m]] += y`: rows gathered at a mask in the statement itself
+        return ast.unparse(index)
     return index.id if isinstance(index, ast.Name) else None
 
 
@@ -1535,6 +1539,12 @@ def _static_sequence(expr: ast.AST) -> bool:
     return True
 
 
+def _prepend_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...]) -> None:
+    """`<helpers>.<helper>()` for each helper, in order, as the first statements after the docstring."""
+    at = _docstring_count(fn_def)
+    fn_def.body[at:at] = [_statement(helper, fn_def.body[0]) for helper in helpers]
+
+
 def _as_list(visited) -> list:
     return visited if isinstance(visited, list) else [visited]
 
@@ -1634,11 +1644,8 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     new_def = CutToCount(f"{_HELPERS}.cut_to_count", true_counts(fn_def, bindings(fn_def))).visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
-    prologue = [f"{_HELPERS}.capture_dynamic_output_shapes()", f"{_HELPERS}.capture_scalar_outputs()"] if (
-        plan.captures_scalars) else []
-    for line in reversed(prologue):
-        capture = ast.parse(line).body[0]
-        new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
+    if plan.captures_scalars:
+        _prepend_calls(new_def, ("capture_dynamic_output_shapes", "capture_scalar_outputs"))
     new_def.decorator_list = []
     helpers = _helpers_namespace()
     for name, copy in plan.calls.items():
@@ -1888,7 +1895,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     return found
 
 
-_FEEDING: dict[tuple[type, str, types.FunctionType], types.FunctionType | None] = {}
+_FEEDING: dict[tuple[type, str, types.FunctionType], types.FunctionType | str] = {}
 
 
 def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozenset[str]) -> types.FunctionType | None:
@@ -1900,24 +1907,24 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
     switched on for the compile from its first statement (the adapted loop switches it off after it).
     None where the method calls no adapted method or gathers nothing at a data-dependent size."""
     key = (cls, name, fn)
-    if key not in _FEEDING:
-        _FEEDING[key] = None
+
+    def decide():
         inner, context = grad_mode_decorated(fn)
-        if inner is not None or getattr(fn, "__wrapped__", None) is None:
-            try:
-                fn_def, filename = function_source(inner or fn)
-            except (NotAdaptable, OSError, TypeError, SyntaxError) as exc:
-                log.debug("%s.%s not read: %s", cls.__qualname__, name, exc)
-                return None
-            this = _instance_name(fn_def)
-            if {_held_call(node, this) for node in walk_function(fn_def)} & adapted and _gathers_at_data_sizes(fn_def):
-                new_def = deepcopy(fn_def)
-                capture = ast.parse(f"{_HELPERS}.capture_dynamic_output_shapes()").body[0]
-                new_def.body.insert(_docstring_count(new_def), ast.copy_location(capture, new_def.body[0]))
-                new_def.decorator_list = []
-                traced = compile_with_helpers(inner or fn, new_def, filename, _HELPERS, _helpers_namespace())
-                _FEEDING[key] = traced if context is None else redecorated(traced, context)
-    return _FEEDING[key]
+        if inner is None and getattr(fn, "__wrapped__", None) is not None:
+            raise NotAdaptable(f"{name} is wrapped by a decorator")
+        fn_def, filename = function_source(inner or fn)
+        this = _instance_name(fn_def)
+        if not {_held_call(node, this) for node in walk_function(fn_def)} & adapted or not _gathers_at_data_sizes(fn_def):
+            return "nothing to feed"
+        new_def = deepcopy(fn_def)
+        _prepend_calls(new_def, ("capture_dynamic_output_shapes",))
+        new_def.decorator_list = []
+        traced = compile_with_helpers(inner or fn, new_def, filename, _HELPERS, _helpers_namespace())
+        return traced if context is None else redecorated(traced, context)
+
+    decided(_FEEDING, key, f"{cls.__module__}.{cls.__qualname__}.{name}", decide, "method feeding an expert loop")
+    decision = _FEEDING[key]
+    return decision if isinstance(decision, types.FunctionType) else None
 
 
 def _gathers_at_data_sizes(fn_def: ast.FunctionDef) -> bool:

@@ -109,6 +109,13 @@ def boolean_by_construction(expr: ast.AST) -> bool:
     return (expr.func.attr == "bool" and not expr.args) or expr.func.attr in _BOOLEAN_RESULTS
 
 
+def skip_test(stmt: ast.stmt) -> ast.expr | None:
+    """T for `if T: continue` with no other statement and no else (a skip of one iteration), else None."""
+    if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):
+        return None
+    return stmt.test
+
+
 def number_read(expr: ast.AST) -> ast.AST | None:
     """X for `X.item()` or `int(X)`: a tensor's value read on the host as a Python number; else None."""
     if call_name(expr) == "item" and isinstance(expr.func, ast.Attribute) and not expr.args and not expr.keywords:

@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Node
-from torch.fx.node import map_arg
 
-from ..fx_utils import is_call, is_cast, shape, val
+from ..fx_utils import Emitter, is_call, is_cast, shape, val
 from .combines import picked_outputs, table_labels
 from .expert_terms import match_terms, reads_as_mlp, weighted_output
 from .finder import Candidate, Finder
@@ -104,15 +103,12 @@ def match_combine(combine: StackedCombine) -> ExpertsMatch | Decline | None:
     if not all(reads_as_mlp(output) for output in combine.outputs):
         return None  # not a stack of MLP outputs: some other stack
     graph = combine.root.graph
+    emit = Emitter(graph, detect_fake_mode([val(combine.root)]))
     added: list[Node] = []
-    fake_mode = detect_fake_mode([val(combine.root)])
 
     def call(target, *args) -> Node:
-        node = graph.call_function(target, args)
-        with fake_mode:
-            node.meta["val"] = target(*map_arg(args, val))
-        added.append(node)
-        return node
+        added.append(emit.call(target, args))
+        return added[-1]
 
     try:
         with graph.inserting_before(combine.root):

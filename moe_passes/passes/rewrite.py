@@ -13,38 +13,13 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from .. import lowering, weight_stacks
-from ..fx_utils import dtype, shape, val
+from ..fx_utils import Emitter, dtype, shape, val
 from .matches import ExpertsMatch, ExpertWeights, IdsCheck
 
 aten = torch.ops.aten
 
 
-class _Emitter:
-    """Creates nodes with fake values, so later passes and backends see shapes and dtypes."""
-
-    def __init__(self, graph: Graph, fake_mode):
-        self.graph = graph
-        self.fake_mode = fake_mode
-
-    def call(self, target, args=(), kwargs=None) -> Node:
-        kwargs = kwargs or {}
-        node = self.graph.call_function(target, args, kwargs)
-        with self.fake_mode:
-            node.meta["val"] = target(*map_arg(args, val), **map_arg(kwargs, val))
-        return node
-
-    def getitems(self, node: Node, count: int) -> list[Node]:
-        import operator
-
-        items = []
-        for i in range(count):
-            item = self.graph.call_function(operator.getitem, (node, i))
-            item.meta["val"] = node.meta["val"][i]
-            items.append(item)
-        return items
-
-
-def _weight_list(emit: _Emitter, weights: ExpertWeights, want_out_in: bool) -> list[Node]:
+def _weight_list(emit: Emitter, weights: ExpertWeights, want_out_in: bool) -> list[Node]:
     """One 2-D node per expert, laid out [out, in] when `want_out_in` (views, never copies)."""
     if weights.stacked is not None:
         stacked = weights.stacked
@@ -58,26 +33,26 @@ def _weight_list(emit: _Emitter, weights: ExpertWeights, want_out_in: bool) -> l
     return nodes
 
 
-def _weight_stack(emit: _Emitter, weights: ExpertWeights, want_out_in: bool) -> Node:
+def _weight_stack(emit: Emitter, weights: ExpertWeights, want_out_in: bool) -> Node:
     """The stacked [E, ., .] weight, laid out [E, out, in] when `want_out_in` (a view, never a copy)."""
     if weights.out_in != want_out_in:
         return emit.call(aten.transpose.int, (weights.stacked, -2, -1))
     return weights.stacked
 
 
-def _as_2d(emit: _Emitter, node: Node, last: int) -> Node:
+def _as_2d(emit: Emitter, node: Node, last: int) -> Node:
     if len(shape(node)) == 2:
         return node
     return emit.call(aten.reshape.default, (node, [-1, last]))
 
 
-def _cast(emit: _Emitter, node: Node, to: torch.dtype) -> Node:
+def _cast(emit: Emitter, node: Node, to: torch.dtype) -> Node:
     if dtype(node) == to:
         return node
     return emit.call(aten._to_copy.default, (node,), {"dtype": to})
 
 
-def _checked(emit: _Emitter, ids: Node, check: IdsCheck) -> Node:
+def _checked(emit: Emitter, ids: Node, check: IdsCheck) -> Node:
     """The ids the call takes where no op of the graph bounds them: negative ids wrapped as the region's
     indexing wraps them, then every id asserted in range on the device (no host synchronisation)."""
     if check.wrap is not None:
@@ -89,7 +64,7 @@ def _checked(emit: _Emitter, ids: Node, check: IdsCheck) -> Node:
     return ids
 
 
-def _weights_at_ids(emit: _Emitter, table: Node, ids: Node) -> Node:
+def _weights_at_ids(emit: Emitter, table: Node, ids: Node) -> Node:
     """table.gather(1, ids): each token's weights read at its ids from the [T, E] table. An id outside
     the table (a sentinel the kernel skips) reads a clamped column, whose weight the kernel never uses."""
     width = shape(table)[-1]
@@ -97,7 +72,7 @@ def _weights_at_ids(emit: _Emitter, table: Node, ids: Node) -> Node:
     return emit.call(aten.gather.default, (_as_2d(emit, table, width), 1, inside))
 
 
-def _sizes_for(emit: _Emitter, output: Node, hidden: Node) -> list:
+def _sizes_for(emit: Emitter, output: Node, hidden: Node) -> list:
     """`output`'s shape as reshape arguments: a symbolic size is never written as a bare SymInt (the
     graph's code could not name it) but as -1 when it is the only one, else read off the hidden states
     of the same shape."""
@@ -116,7 +91,7 @@ def _sizes_for(emit: _Emitter, output: Node, hidden: Node) -> list:
 def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
     """Emit the fused call for `match` and route the region's users to it; returns the fused node."""
     fake_mode = detect_fake_mode([val(match.output)])
-    emit = _Emitter(graph, fake_mode)
+    emit = Emitter(graph, fake_mode)
     roles = [r for r in (match.gate_up, match.gate, match.up, match.down) if r is not None]  # biases excluded
     permuted = any(r.out_in for r in roles)
 
