@@ -240,3 +240,31 @@ def test_an_expert_loop_in_a_helper_object_beside_the_layer_is_captured_and_fuse
     report, output = explain_and_run(model, *inputs, options={"inner": "eager", "target": "portable"})
     assert (report.graph_count, report.graph_break_count, len(report.fused)) == (1, 0, 1), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_an_adapted_class_and_its_copies_are_freed_with_the_model():
+    """A deleted model frees all it held: the class whose expert loop hpu_moe adapted (its forward calls
+    `super()`, so the traced copy refers to the class) and the copy itself."""
+    import gc
+    import weakref
+
+    from loop_models import PresentIds
+
+    class Adapted(PresentIds):
+        def forward(self, x):
+            w, ids = self.route(x)
+            out = torch.zeros_like(x)
+            for e in range(len(self.experts)):
+                token, slot = torch.where(ids == e)
+                out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+            return super().forward(x) * 0 + out
+
+    model = Adapted()
+    torch._dynamo.reset()
+    torch.compile(model, backend="hpu_moe")(torch.randn(5, 8))
+    adapted, forward = weakref.ref(Adapted), weakref.ref(Adapted.forward)
+    assert getattr(forward(), "__moe_passes_original__", None) is not None  # the loop was adapted
+    del model, Adapted
+    torch._dynamo.reset()
+    gc.collect()
+    assert adapted() is None and forward() is None

@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -16,7 +17,7 @@ ENV_VAR = "MOE_PASSES_ADAPTERS"
 # Set on the hpu_moe backend function (to itself): how a compile's backend is recognised without
 # importing it (the backend imports the adapters).
 BACKEND_MARK = "__moe_passes_backend__"
-_ADAPTED: dict[type, str] = {}  # class -> adapter name
+_ADAPTED: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()  # class -> adapter name
 
 
 def env_enabled() -> bool:

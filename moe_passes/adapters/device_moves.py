@@ -29,7 +29,7 @@ import types
 import torch
 
 from .offset_slices import compile_with_helpers
-from .source_ast import NotAdaptable, decided, function_source, walk_function
+from .source_ast import Decisions, NotAdaptable, decided, function_source, walk_function
 
 NAME = "device_moves"
 _HELPERS = "__moe_passes_device_moves"
@@ -103,7 +103,7 @@ def _of_instance(expr: ast.AST, this: str | None) -> bool:
     return isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == this
 
 
-_DECISIONS: dict[tuple[type, str, types.FunctionType], types.FunctionType | str] = {}
+_DECISIONS = Decisions("device_move_copies")  # per class, keyed by (method name, function)
 
 
 def adaptations_of(cls: type, taken: set[str] = frozenset()) -> dict[str, types.FunctionType]:
@@ -118,11 +118,10 @@ def adaptations_of(cls: type, taken: set[str] = frozenset()) -> dict[str, types.
             continue
         if not isinstance(fn, types.FunctionType) or not discards_a_to_call(fn.__code__):
             continue
-        key = (cls, name, fn)
         where = f"{cls.__module__}.{cls.__qualname__}.{name}"
-        decided(_DECISIONS, key, where, lambda fn=fn: _copy(fn), "device move")
-        if isinstance(_DECISIONS[key], types.FunctionType):
-            found[name] = _DECISIONS[key]
+        decision = decided(_DECISIONS.of(cls), (name, fn), where, lambda fn=fn: _copy(fn), "device move")
+        if isinstance(decision, types.FunctionType):
+            found[name] = decision
     return found
 
 

@@ -103,6 +103,7 @@ from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_ids, present_loop
 from .source_ast import (
     VIEW_METHODS,
+    Decisions,
     NotAdaptable,
     bindings,
     boolean_by_construction,
@@ -1859,8 +1860,9 @@ def _helpers_namespace() -> types.SimpleNamespace:
 
 # Keyed by the function as well: a method replaced on the class after a decision (LongCat-Next patches
 # `moe` over a loaded model's class) is decided again, never served the old method's copy.
-_DECISIONS: dict[tuple[type, str, types.FunctionType], types.FunctionType | str] = {}
-_KEPT_GUARDS: dict[tuple[type, str, types.FunctionType], list[str]] = {}  # adapted methods whose guards stay
+# Per class, keyed by (method name, function): a copy of a method, or the reason it is left as written.
+_DECISIONS = Decisions("expert_loop_decisions")
+_KEPT_GUARDS = Decisions("kept_loop_guards")  # adapted methods whose guards stay: (name, function) -> reasons
 # Names a method with an expert loop or per-expert counts calls (a cheap filter before parsing it).
 _SIGNS = {"nonzero", "where", "tolist", "histc", "argsort", "sort"}
 
@@ -1895,7 +1897,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     return found
 
 
-_FEEDING: dict[tuple[type, str, types.FunctionType], types.FunctionType | str] = {}
+_FEEDING = Decisions("feeding_copies")  # per class, keyed by (method name, function)
 
 
 def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozenset[str]) -> types.FunctionType | None:
@@ -1906,7 +1908,7 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
     across graphs. The copy is the method as written, with dynamo's `capture_dynamic_output_shape_ops`
     switched on for the compile from its first statement (the adapted loop switches it off after it).
     None where the method calls no adapted method or gathers nothing at a data-dependent size."""
-    key = (cls, name, fn)
+    key = (name, fn)
 
     def decide():
         inner, context = grad_mode_decorated(fn)
@@ -1922,8 +1924,9 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
         traced = compile_with_helpers(inner or fn, new_def, filename, _HELPERS, _helpers_namespace())
         return traced if context is None else redecorated(traced, context)
 
-    decided(_FEEDING, key, f"{cls.__module__}.{cls.__qualname__}.{name}", decide, "method feeding an expert loop")
-    decision = _FEEDING[key]
+    decisions = _FEEDING.of(cls)
+    decision = decided(decisions, key, f"{cls.__module__}.{cls.__qualname__}.{name}", decide,
+                       "method feeding an expert loop")
     return decision if isinstance(decision, types.FunctionType) else None
 
 
@@ -2081,7 +2084,7 @@ def _stored_globals(init: types.FunctionType) -> dict[str, str]:
     return {a: v[0].id for a, v in stored.items() if len(v) == 1 and isinstance(v[0], ast.Name)}
 
 
-_FUNCTION_DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
+_FUNCTION_DECISIONS = Decisions("expert_loop_copy")  # on the function: its copy, or the reason
 
 
 def _function_copy(fn: types.FunctionType) -> types.FunctionType | None:
@@ -2093,8 +2096,8 @@ def _function_copy(fn: types.FunctionType) -> types.FunctionType | None:
             raise NotAdaptable("nothing to adapt")
         return rewrite(fn, fn_def, filename, plan)
 
-    decided(_FUNCTION_DECISIONS, fn, f"{fn.__module__}.{fn.__qualname__}", decide, "expert loop")
-    decision = _FUNCTION_DECISIONS[fn]
+    decision = decided(_FUNCTION_DECISIONS.of(fn), "copy", f"{fn.__module__}.{fn.__qualname__}", decide,
+                       "expert loop")
     return decision if isinstance(decision, types.FunctionType) else None
 
 
@@ -2104,7 +2107,7 @@ def traceable_forward_of(cls: type) -> types.FunctionType | None:
 
 
 def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.FunctionType | None:
-    key = (cls, name, fn)
+    key = (name, fn)
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
     def decide():
@@ -2117,14 +2120,13 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
         called = {_held_call(node, this) for node in walk_function(fn_def)}
         plan = dataclasses.replace(plan, held={a: pair for a, pair in held.items() if a in called})
         if plan.kept_guards:
-            _KEPT_GUARDS[key] = [f"{where}: {reason}" for reason in plan.kept_guards]
+            _KEPT_GUARDS.of(cls)[key] = [f"{where}: {reason}" for reason in plan.kept_guards]
         if not plan.changes_anything():
             return "nothing to adapt"
         traced = rewrite(target, fn_def, filename, plan)
         return traced if context is None else redecorated(traced, context)
 
-    decided(_DECISIONS, key, where, decide, "expert loop")
-    decision = _DECISIONS[key]
+    decision = decided(_DECISIONS.of(cls), key, where, decide, "expert loop")
     return decision if isinstance(decision, types.FunctionType) else None
 
 
@@ -2137,11 +2139,11 @@ def declined_at(locations) -> list[str]:
         if line.isdigit():
             wanted.add((os.path.realpath(path), int(line)))
     found = []
-    for key, decision in _DECISIONS.items():
-        reasons = _KEPT_GUARDS.get(key, [])
+    for cls, (name, fn), decision in _DECISIONS.items():
+        reasons = _KEPT_GUARDS.get(cls, (name, fn), [])
         if isinstance(decision, str) and decision != "nothing to adapt":
             reasons = [decision, *reasons]
-        code = getattr(key[2], "__code__", None)
+        code = getattr(fn, "__code__", None)
         if not reasons or code is None:
             continue
         path = os.path.realpath(code.co_filename)
@@ -2155,6 +2157,6 @@ def declined_classes() -> dict[str, str]:
     """{"module.Class": reason} for classes whose hit-expert loops were left as written."""
     return {
         f"{cls.__module__}.{cls.__qualname__}": reason
-        for (cls, _name, _fn), reason in _DECISIONS.items()
+        for cls, _key, reason in _DECISIONS.items()
         if isinstance(reason, str) and reason != "nothing to adapt"
     }

@@ -31,6 +31,7 @@ import numpy
 import torch
 
 from .source_ast import (
+    Decisions,
     NotAdaptable,
     adapted_callees,
     bindings,
@@ -41,7 +42,7 @@ from .source_ast import (
 )
 
 _HELPERS = "__moe_passes_offset_helpers"
-_DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
+_DECISIONS = Decisions("offset_slice_copy")  # on the function: its copy, or the reason
 
 
 # A tuple, not `X | Y`: dynamo of torch 2.9 cannot trace isinstance with a types.UnionType.
@@ -99,8 +100,7 @@ def traced_copy(fn: types.FunctionType) -> types.FunctionType | None:
         fn_def, filename = function_source(fn)
         return _rewrite(fn, fn_def, filename, _bounds(fn_def))
 
-    decided(_DECISIONS, fn, f"{fn.__module__}.{fn.__qualname__}", decide, "offset slices")
-    decision = _DECISIONS[fn]
+    decision = decided(_DECISIONS.of(fn), "copy", f"{fn.__module__}.{fn.__qualname__}", decide, "offset slices")
     return decision if isinstance(decision, types.FunctionType) else None
 
 

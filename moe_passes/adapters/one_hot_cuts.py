@@ -27,6 +27,7 @@ import torch
 
 from .offset_slices import compile_with_helpers
 from .source_ast import (
+    Decisions,
     NotAdaptable,
     adapted_callees,
     bindings,
@@ -38,7 +39,7 @@ from .source_ast import (
 )
 
 _HELPERS = "__moe_passes_one_hot_helpers"
-_DECISIONS: dict[types.FunctionType, types.FunctionType | str] = {}
+_DECISIONS = Decisions("one_hot_cut_copy")  # on the function: its copy, or the reason
 
 
 def one_hot_cut(ids: torch.Tensor, width, as_written):
@@ -73,8 +74,7 @@ def traced_copy(fn: types.FunctionType) -> types.FunctionType | None:
         helpers = types.SimpleNamespace(one_hot_cut=one_hot_cut)
         return compile_with_helpers(fn, new_def, filename, _HELPERS, helpers)
 
-    decided(_DECISIONS, fn, f"{fn.__module__}.{fn.__qualname__}", decide, "one-hot cut")
-    decision = _DECISIONS[fn]
+    decision = decided(_DECISIONS.of(fn), "copy", f"{fn.__module__}.{fn.__qualname__}", decide, "one-hot cut")
     return decision if isinstance(decision, types.FunctionType) else None
 
 

@@ -6,6 +6,7 @@ import ast
 import inspect
 import logging
 import textwrap
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,39 @@ def adapted_callees(fn, wanted, traced_copy) -> dict:
         if wanted(callee) and (traced := traced_copy(callee)) is not None:
             found[name] = traced
     return found
+
+
+class Decisions:
+    """Decisions about a class's or a function's code, kept on that class or function (in its `__dict__`)
+    so that they are freed with it. A module-level table would keep alive every class and function
+    discovery looked at: a traced copy refers to its original (`__wrapped__`) and, through the `__class__`
+    cell of a method that calls `super()`, to its class."""
+
+    def __init__(self, name: str):
+        self._attribute = f"__moe_passes_{name}__"
+        self._owners: weakref.WeakSet = weakref.WeakSet()
+
+    def of(self, owner) -> dict:
+        """The decisions about `owner` (a class or a function), empty at first."""
+        table = vars(owner).get(self._attribute)
+        if table is None:
+            table = {}
+            try:
+                setattr(owner, self._attribute, table)
+                self._owners.add(owner)
+            except (AttributeError, TypeError):  # takes no attributes: decided again at each look
+                pass
+        return table
+
+    def get(self, owner, key, default=None):
+        """The decision kept about `owner` under `key`, without making a table."""
+        return vars(owner).get(self._attribute, {}).get(key, default)
+
+    def items(self):
+        """(owner, key, decision) for every decision kept on a live owner."""
+        for owner in list(self._owners):
+            for key, decision in list(vars(owner).get(self._attribute, {}).items()):
+                yield owner, key, decision
 
 
 def decided(cache: dict, key, where: str, decide, kind: str):

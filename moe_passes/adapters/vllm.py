@@ -46,6 +46,7 @@ import importlib
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -361,7 +362,7 @@ def install_if_loaded(modules: Mapping[str, object] | None = None) -> list[str]:
     return []
 
 
-_declined: set[type] = set()  # logged once per class, not per compile
+_declined: weakref.WeakSet[type] = weakref.WeakSet()  # logged once per class, not per compile
 
 
 def register() -> None:
