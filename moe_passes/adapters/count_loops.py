@@ -66,7 +66,7 @@ def is_count(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset(
             return _counts_from_zero(expr)
         if name == "sum" and isinstance(expr.func, ast.Attribute) and _reduces_dim_zero(expr):
             return True
-        if name in VIEW_METHODS | {"cpu"} and isinstance(expr.func, ast.Attribute):
+        if name in VIEW_METHODS | {"cpu", "numpy", "tolist"} and isinstance(expr.func, ast.Attribute):
             expr = expr.func.value
             continue
         return False
@@ -229,15 +229,24 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
     ends = {name for name, value in _simple_bindings(body) if _is_sum_with(value, n, carried)}
     for name in carried:
         _check_carried(body, name, n, ends)
-    definitions = dict(_simple_bindings(body))
+    # (position in the body, name, value): a name read at some position is the one bound last before it
+    # (SGLang binds `gate_up` twice, the second time from the first)
+    definitions = [(i, *binding) for i, stmt in enumerate(body) for binding in _simple_bindings([stmt])]
 
-    def from_segment(value: ast.AST, depth: int = 0) -> bool:
+    def from_segment(value: ast.AST, position: int, depth: int = 0) -> bool:
         if any(_cuts_between(part, carried, ends) for part in ast.walk(value)):
             return True
-        return depth < 8 and any(from_segment(definitions[name], depth + 1) for name in loads(value) & set(definitions))
+        if depth >= 8:
+            return False
+        for name in loads(value):
+            earlier = [(i, v) for i, bound_name, v in definitions if bound_name == name and i < position]
+            if earlier and from_segment(earlier[-1][1], earlier[-1][0], depth + 1):
+                return True
+        return False
 
+    positions = {stmt.lineno: i for i, stmt in enumerate(body)}
     for line, listed, value in lists:
-        if not from_segment(value):
+        if not from_segment(value, positions[line]):
             raise NotAdaptable(
                 f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
                 "running offset and offset + count"

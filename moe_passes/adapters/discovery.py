@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from . import device_moves, hit_expert_loops, vllm_style
+from . import device_moves, function_swaps, hit_expert_loops, vllm_style
 from .base import compiling_for_hpu_moe, env_enabled, install
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ def adapt(model: torch.nn.Module | None = None) -> list[str]:
             continue  # looked at before, methods unchanged: adapted then, or nothing to adapt
         if _install_adapters(cls):
             adapted.append(f"{cls.__module__}.{cls.__qualname__}")
+        adapted.extend(function_swaps.look_at_callees(cls))
         _examined[cls] = _methods_of(cls)  # after installing: the adapted methods are the ones to keep
         for helper in _helper_classes_beside(cls):
             if _install_loop_adapters(helper):
@@ -137,7 +138,11 @@ def install_discovery_hook() -> None:
         return
     callbacks = getattr(handler, "start_callbacks", [])
     if _adapt_new_classes_for_hpu_moe not in callbacks:
-        register(_adapt_new_classes_for_hpu_moe)
+        register(_adapt_new_classes_for_hpu_moe)  # first: the classes it adapts may bring functions to swap
+    if function_swaps.swap_in not in callbacks:
+        register(function_swaps.swap_in)
+    if function_swaps.swap_out not in getattr(handler, "end_callbacks", []):
+        handler.register_end_callback(function_swaps.swap_out)
 
 
 def prepare() -> None:

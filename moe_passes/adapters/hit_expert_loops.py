@@ -1879,10 +1879,9 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
-        code = getattr(inner or fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not (
-            _SIGNS & _names(code) or _calls_adaptable_helper(inner or fn) or set(held) & set(code.co_names) or (
-                _masks_in_a_loop(code) and _selects_in_a_loop(inner or fn))
+            may_hold_expert_loop(inner or fn) or _calls_adaptable_helper(inner or fn)
+            or set(held) & set((inner or fn).__code__.co_names)
         ):
             continue  # cheap filter: no token selection, nothing to adapt
         traced = _decide(cls, name, fn, held)
@@ -1993,6 +1992,12 @@ _LOOP_MASK_OPS = [
 ]
 
 
+def may_hold_expert_loop(fn: types.FunctionType) -> bool:
+    """A cheap filter: `fn` names an op that selects tokens or reads counts, or its bytecode loops over
+    comparisons and indexing, and its source then shows a loop selecting tokens."""
+    return bool(_SIGNS & _names(fn.__code__)) or (_masks_in_a_loop(fn.__code__) and _selects_in_a_loop(fn))
+
+
 def _masks_in_a_loop(code: types.CodeType) -> bool:
     """The bytecode loops, compares and indexes: where a boolean-mask gather (`x[ids == e]`) can be,
     with no name to show it (3.14 indexes with BINARY_OP). Read with `dis` only when it may."""
@@ -2060,7 +2065,7 @@ def held_functions(cls: type) -> dict[str, tuple[types.FunctionType, types.Funct
         }
         if functions:
             for attribute, name in _stored_globals(init).items():
-                copy = _function_copy(functions[name]) if name in functions else None
+                copy = function_copy(functions[name]) if name in functions else None
                 if copy is not None:
                     _HELD[cls][attribute] = (functions[name], copy)
     return _HELD[cls]
@@ -2087,13 +2092,15 @@ def _stored_globals(init: types.FunctionType) -> dict[str, str]:
 _FUNCTION_DECISIONS = Decisions("expert_loop_copy")  # on the function: its copy, or the reason
 
 
-def _function_copy(fn: types.FunctionType) -> types.FunctionType | None:
+def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
     """The traced copy of a module function with an expert loop, or None (the reason is logged)."""
 
     def decide():
         fn_def, filename, plan = analyse(fn)
+        if plan.kept_guards:
+            _KEPT_GUARDS.of(fn)["copy"] = [f"{fn.__module__}.{fn.__qualname__}: {r}" for r in plan.kept_guards]
         if not plan.changes_anything():
-            raise NotAdaptable("nothing to adapt")
+            return "nothing to adapt"
         return rewrite(fn, fn_def, filename, plan)
 
     decision = decided(_FUNCTION_DECISIONS.of(fn), "copy", f"{fn.__module__}.{fn.__qualname__}", decide,
@@ -2139,8 +2146,10 @@ def declined_at(locations) -> list[str]:
         if line.isdigit():
             wanted.add((os.path.realpath(path), int(line)))
     found = []
-    for cls, (name, fn), decision in _DECISIONS.items():
-        reasons = _KEPT_GUARDS.get(cls, (name, fn), [])
+    methods = ((fn, decision, _KEPT_GUARDS.get(cls, key, [])) for cls, key, decision in _DECISIONS.items()
+               for fn in key[1:])
+    functions = ((fn, decision, _KEPT_GUARDS.get(fn, "copy", [])) for fn, _, decision in _FUNCTION_DECISIONS.items())
+    for fn, decision, reasons in (*methods, *functions):
         if isinstance(decision, str) and decision != "nothing to adapt":
             reasons = [decision, *reasons]
         code = getattr(fn, "__code__", None)

@@ -1,0 +1,105 @@
+"""Expert loops in module functions that a method calls by name (SGLang's `moe_forward_native`), reached
+through a bound method stored at construction: traced as their adapted copies under hpu_moe, and only
+there."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.loop_models import E, H, K
+
+
+def run_experts(layer, x, w, ids):
+    """Sorted rows cut at host counts, an empty-expert skip, results put back in slot order."""
+    counts = ids.new_zeros((ids.shape[0], E)).scatter_(1, ids, 1).sum(0).cpu().numpy()
+    order = ids.flatten().argsort()
+    rows = x[order // K]
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        end = start + n
+        if n == 0:
+            continue
+        h = F.linear(rows[start:end], layer.w13[e])
+        h = F.silu(h[:, : 2 * H]) * h[:, 2 * H :]  # the name bound again from itself
+        outs.append(F.linear(h, layer.w2[e]))
+        start = end
+    y = torch.empty_like(rows)
+    y[order] = torch.cat(outs)
+    return (y.view(-1, K, H) * w[..., None]).sum(1)
+
+
+def weights_summed(layer, x, ids):
+    """The skip guards a list whose appended value does not come from any rows: not proved removable."""
+    counts = ids.new_zeros((ids.shape[0], E)).scatter_(1, ids, 1).sum(0).tolist()
+    outs = []
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        outs.append(layer.w2[e].sum(1))
+    return x + torch.stack(outs).sum(0)
+
+
+class Runner(torch.nn.Module):
+    """Calls the function from a method it stores, bound, at construction (SGLang's CustomOp)."""
+
+    def __init__(self):
+        super().__init__()
+        self._forward_method = self.forward_native
+
+    def forward(self, *args):
+        return self._forward_method(*args)
+
+    def forward_native(self, layer, x, w, ids):
+        return run_experts(layer, x, w, ids)
+
+
+class FunctionLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.w13 = torch.nn.Parameter(torch.randn(E, 4 * H, H) / H**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, 2 * H) / H**0.5)
+        self.runner = Runner()
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K)
+        return self.runner(self, x, w / w.sum(-1, keepdim=True), ids)
+
+
+def test_an_expert_loop_in_a_module_function_is_fused_in_one_graph():
+    torch.manual_seed(0)
+    model, inputs = FunctionLayer(), (torch.randn(9, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report
+    assert [f.form for f in report.fused] == ["segments"], report
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    assert "_torchdynamo_inline" not in vars(run_experts)  # set for hpu_moe's compile only
+
+
+def test_other_backends_trace_the_function_as_written():
+    """After an hpu_moe compile, an eager-backend compile breaks on the host read as it always did."""
+    torch.manual_seed(0)
+    model, inputs = FunctionLayer(), (torch.randn(9, H),)
+    run_hpu_moe(model, inputs)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        output = torch.compile(model, backend="eager")(*inputs)
+    assert sum(counters["graph_break"].values()) > 0
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_module_function_whose_skip_is_not_proved_keeps_it_and_says_so():
+    class Calls(FunctionLayer):
+        def forward(self, x):
+            return weights_summed(self, x, torch.topk(self.gate(x), K).indices)
+
+    torch.manual_seed(0)
+    model, inputs = Calls(), (torch.randn(5, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused
+    assert "not computed from the rows" in str(report), report
+    assert_close_for_dtype(output, eager_output(model, inputs))
