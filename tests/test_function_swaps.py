@@ -103,3 +103,58 @@ def test_a_module_function_whose_skip_is_not_proved_keeps_it_and_says_so():
     assert not report.fused
     assert "not computed from the rows" in str(report), report
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def split_and_loop(w1, w2, w3, x, counts):
+    """torchtitan's for-loop experts: a module function split at the host list of counts it is handed."""
+    sizes = counts.tolist()
+    pieces = torch.split(x[: sum(sizes)], split_size_or_sections=sizes, dim=0)
+    outs = []
+    for e, piece in enumerate(pieces):
+        h = F.silu(torch.matmul(piece, w1[e].transpose(-2, -1))) * torch.matmul(piece, w3[e].transpose(-2, -1))
+        outs.append(torch.matmul(h, w2[e].transpose(-2, -1)))
+    return torch.cat(outs, dim=0)
+
+
+class HandedCounts(torch.nn.Module):
+    """Counts of a fixed length (a histogram over the experts) or of a data-dependent one (a bincount)."""
+
+    def __init__(self, fixed: bool):
+        super().__init__()
+        self.fixed = fixed
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(E, 2 * H, H) / H**0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(E, 2 * H, H) / H**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, 2 * H) / H**0.5)
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K)
+        flat = ids.flatten()
+        if self.fixed:
+            counts = torch.histc(flat.float(), bins=E, min=0, max=E - 1).long()
+        else:
+            counts = torch.bincount(flat)
+        order = torch.argsort(flat, stable=True)
+        y = split_and_loop(self.w1, self.w2, self.w3, x[order // K], counts)
+        back = torch.zeros_like(y)
+        back[order] = y
+        return (back.view(-1, K, H) * w[..., None]).sum(1)
+
+
+def test_counts_of_a_fixed_length_handed_to_a_function_are_captured():
+    torch.manual_seed(0)
+    model, inputs = HandedCounts(fixed=True), (torch.randn(9, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report
+    # torchtitan's `x[: sum(sizes)]` keeps every row, which the segments finder does not read yet
+    assert [d.form for d in report.declined] == ["segments"], report
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_counts_of_a_data_dependent_length_break_the_graph_as_written():
+    """A bincount's length depends on the largest id: its host list is not captured, and nothing raises."""
+    torch.manual_seed(0)
+    model, inputs = HandedCounts(fixed=False), (torch.randn(9, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert report.graph_break_count > 0 and not report.fused, report
+    assert_close_for_dtype(output, eager_output(model, inputs))

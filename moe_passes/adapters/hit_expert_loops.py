@@ -94,6 +94,7 @@ from .host_reads import (
     link_parents,
     list_indices,
     split_pieces,
+    split_sizes_of_parameters,
     splits_by_host_sizes,
     tensor_like,
     true_counts,
@@ -1035,6 +1036,8 @@ class Plan:
     # {attribute: (function, its traced copy)}: `self.attribute(...)` calls a module function held there
     held: dict = dataclasses.field(default_factory=dict)
     present_loops: tuple[PresentLoop, ...] = ()  # loops over `ids.unique()` that run over every expert
+    # parameters whose `.tolist()` sizes a split: numbers are captured only where they have a fixed length
+    static_lengths: tuple[str, ...] = ()
 
     def changes_anything(self) -> bool:
         return bool(
@@ -1144,6 +1147,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**adapted_one_hot_calls(fn), **calls},
         tuple(lists), tuple(selecting),
         _read_only_by(fn_def, set(guards)), cuts, tuple(fixed), present_loops=tuple(present),
+        static_lengths=split_sizes_of_parameters(fn_def, assignments) if scalars else (),
     )
     if plan.captures_shapes or plan.captures_scalars:
         lengths = data_length_names(fn_def, selected_anywhere | set(pieces))
@@ -1546,6 +1550,20 @@ def _prepend_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...]) -> None:
     fn_def.body[at:at] = [_statement(helper, fn_def.body[0]) for helper in helpers]
 
 
+def _prepend_gated_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...], tensors: tuple[str, ...]) -> None:
+    """`_prepend_calls`, under `if` every dim of each of `tensors` is a plain int when traced: a length
+    fixed at trace time (a `.tolist()` of a data-dependent length cannot be captured, and then breaks the
+    graph as written)."""
+    test = " and ".join(f"all(isinstance(d, int) for d in {name}.shape)" for name in tensors)
+    at = _docstring_count(fn_def)
+    gate = ast.parse(f"if {test}:\n    pass").body[0]
+    gate.body = [_statement(helper, fn_def.body[0]) for helper in helpers]
+    for part in ast.walk(gate.test):
+        ast.copy_location(part, fn_def.body[0])
+    ast.copy_location(gate, fn_def.body[0])
+    fn_def.body[at:at] = [gate]
+
+
 def _as_list(visited) -> list:
     return visited if isinstance(visited, list) else [visited]
 
@@ -1645,7 +1663,9 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     new_def = CutToCount(f"{_HELPERS}.cut_to_count", true_counts(fn_def, bindings(fn_def))).visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
-    if plan.captures_scalars:
+    if plan.captures_scalars and plan.static_lengths:
+        _prepend_gated_calls(new_def, ("capture_dynamic_output_shapes", "capture_scalar_outputs"), plan.static_lengths)
+    elif plan.captures_scalars:
         _prepend_calls(new_def, ("capture_dynamic_output_shapes", "capture_scalar_outputs"))
     new_def.decorator_list = []
     helpers = _helpers_namespace()

@@ -182,9 +182,10 @@ def splits_by_host_sizes(fn_def: ast.FunctionDef, assignments: dict) -> bool:
     splits = [node for node in walk_function(fn_def) if _split_at_host_sizes(node, assignments)]
     pieces = {target.id for node in walk_function(fn_def) if isinstance(node, ast.Assign)
               for target in node.targets if isinstance(target, ast.Name) and _unwrapped(node.value) in splits}
+    parts = function_parameters(fn_def)
     for loop in walk_function(fn_def):
         index = loop_index(loop) if isinstance(loop, ast.For) else None
-        if index is None or not _indexes_own_parts(loop, index):
+        if index is None or not _indexes_own_parts(loop, index, parts):
             continue
         iterated = _unwrapped(loop.iter.args[0] if call_name(loop.iter) == "enumerate" and loop.iter.args else loop.iter)
         if iterated in splits or (isinstance(iterated, ast.Name) and iterated.id in pieces):
@@ -213,11 +214,45 @@ def _unwrapped(expr: ast.AST) -> ast.AST:
     return expr
 
 
-def _indexes_own_parts(loop: ast.For, index: str) -> bool:
+def _indexes_own_parts(loop: ast.For, index: str, parameters: frozenset[str] = frozenset()) -> bool:
     """The loop's body subscripts an attribute of `self` with the index alone (`self.experts[e]`,
-    `self.experts[e].w1`, `self.down_proj[e]`)."""
-    return any(isinstance(n, ast.Subscript) and _owned(n.value) and isinstance(n.slice, ast.Name) and n.slice.id == index
-               for stmt in loop.body for n in ast.walk(stmt))
+    `self.experts[e].w1`, `self.down_proj[e]`), or one of `parameters` (a module function's stacked
+    expert weights, torchtitan's `w1[expert_idx]`)."""
+    return any(isinstance(n, ast.Subscript) and (_owned(n.value) or (isinstance(n.value, ast.Name) and n.value.id in parameters))
+               and isinstance(n.slice, ast.Name) and n.slice.id == index for stmt in loop.body for n in ast.walk(stmt))
+
+
+def function_parameters(fn_def: ast.FunctionDef) -> frozenset[str]:
+    """The parameters of a module function (empty for a method, whose parts hang off `self`)."""
+    names = [a.arg for a in (*fn_def.args.posonlyargs, *fn_def.args.args, *fn_def.args.kwonlyargs)]
+    return frozenset() if names[:1] in (["self"], ["cls"]) else frozenset(names)
+
+
+def split_sizes_of_parameters(fn_def: ast.FunctionDef, assignments: dict) -> tuple[str, ...]:
+    """The parameters of a module function whose `.tolist()` gives the sizes it splits at. Their length is
+    known only when the function is traced: a count of fixed length (torchtitan's histogram) can be read
+    as numbers, one of data-dependent length (a bincount) cannot."""
+    parameters = function_parameters(fn_def)
+    found = []
+    for node in walk_function(fn_def):
+        if _split_at_host_sizes(node, assignments):
+            for name in sorted(_host_list_receivers(node, assignments) & parameters):
+                found.append(name)
+    return tuple(dict.fromkeys(found))
+
+
+def _host_list_receivers(split: ast.Call, assignments: dict) -> set[str]:
+    """The names `t` whose `t.tolist()` (directly or through a name bound to it) sizes `split`."""
+    found, stack = set(), [*split.args, *(k.value for k in split.keywords)]
+    while stack:
+        expr = stack.pop()
+        if isinstance(expr, ast.Name):
+            stack.extend(b.value for b in assignments.get(expr.id, []) if isinstance(b, ast.Assign))
+        elif call_name(expr) == "tolist" and isinstance(expr.func, ast.Attribute):
+            receiver = strip_methods(expr.func.value, _VIEWS)
+            if isinstance(receiver, ast.Name):
+                found.add(receiver.id)
+    return found
 
 
 def _owned(expr: ast.AST) -> bool:
@@ -487,4 +522,4 @@ def _split_source(expr: ast.AST, assignments: dict, line: int) -> str | None:
 
 
 __all__ = ["CutToCapacity", "cut_to_capacity", "CutToCount", "cut_to_count", "true_counts", "NewTensorOfList", "tensor_like", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
-           "link_parents", "list_indices", "splits_by_host_sizes", "NotAdaptable", "SplitPieces", "split_pieces"]
+           "link_parents", "list_indices", "splits_by_host_sizes", "split_sizes_of_parameters", "NotAdaptable", "SplitPieces", "split_pieces"]
