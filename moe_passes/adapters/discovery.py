@@ -138,11 +138,7 @@ def install_discovery_hook() -> None:
         return
     callbacks = getattr(handler, "start_callbacks", [])
     if _adapt_new_classes_for_hpu_moe not in callbacks:
-        register(_adapt_new_classes_for_hpu_moe)  # first: the classes it adapts may bring functions to swap
-    if function_swaps.swap_in not in callbacks:
-        register(function_swaps.swap_in)
-    if function_swaps.swap_out not in getattr(handler, "end_callbacks", []):
-        handler.register_end_callback(function_swaps.swap_out)
+        register(_adapt_new_classes_for_hpu_moe)
 
 
 def prepare() -> None:
