@@ -246,6 +246,7 @@ def test_an_adapted_class_and_its_copies_are_freed_with_the_model():
     """A deleted model frees all it held: the class whose expert loop hpu_moe adapted (its forward calls
     `super()`, so the traced copy refers to the class) and the copy itself."""
     import gc
+    import inspect
     import weakref
 
     from loop_models import PresentIds
@@ -266,5 +267,9 @@ def test_an_adapted_class_and_its_copies_are_freed_with_the_model():
     assert getattr(forward(), "__moe_passes_original__", None) is not None  # the loop was adapted
     del model, Adapted
     torch._dynamo.reset()
+    # Python 3.12's inspect.getattr_static (dynamo's, ours) keeps the last 128 classes' MROs in a bounded
+    # cache of its own: not a hold of this package's
+    if hasattr(inspect, "_shadowed_dict_from_mro_tuple"):
+        inspect._shadowed_dict_from_mro_tuple.cache_clear()
     gc.collect()
     assert adapted() is None and forward() is None

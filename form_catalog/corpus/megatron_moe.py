@@ -54,7 +54,7 @@ the (output, bias) return and `skip_bias_add`, with the identity copy/reduce reg
 grad-accumulation autograd Function written as `torch.matmul(input, weight.t())`; Transformer Engine fused
 permute/unpermute/top-k and `te_general_gemm` (absent, so the PyTorch paths run, as without TE); the
 batch-invariant kernels (mode off); the router's move of CPU weights to `torch.cuda.current_device()` (guarded
-here by `torch.cuda.is_available()` so the CPU run keeps them in place); training-only pieces (aux, sequence
+here by the input being on CUDA, so a run on CPU tensors keeps them in place, on a machine with a GPU too); training-only pieces (aux, sequence
 and global aux losses, z-loss, input jitter, expert-bias updates, recompute/checkpointing, delayed wgrad
 streams, `backward_dw`; the aux-loss methods raise if reached); the fused bias-activation kernels, fp8/fp4
 padding, latent projections, shared experts, inference-optimized dispatchers and CUDA-graph partial capture
@@ -553,10 +553,10 @@ class Router(ABC, MegatronModule):
             self.bias.sequence_parallel = self.config.sequence_parallel
 
     def gating(self, input):
-        # the original moves CPU weights to the current CUDA device; guarded so a CPU run keeps them
-        if self.weight.device.type == "cpu" and torch.cuda.is_available():
+        # the original moves CPU weights to the current CUDA device; guarded so a run on CPU tensors keeps them
+        if self.weight.device.type == "cpu" and input.is_cuda:
             self.weight.data = self.weight.data.to(device=torch.cuda.current_device())
-        if self.bias is not None and self.bias.device.type == "cpu" and torch.cuda.is_available():
+        if self.bias is not None and self.bias.device.type == "cpu" and input.is_cuda:
             self.bias.data = self.bias.data.to(device=torch.cuda.current_device())
 
         router_dtype = input.dtype
