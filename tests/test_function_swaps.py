@@ -174,3 +174,23 @@ def test_counts_of_a_data_dependent_length_break_the_graph_as_written():
     assert report.graph_break_count > 0 and not report.fused, report
     assert_close_for_dtype(output, eager_output(model, inputs))
 
+
+
+def test_torchtitans_deepseek_v3_configuration_is_fused():
+    """The corpus entry with torchtitan's DeepSeek-V3 settings (softmax, scores after the experts), where
+    the entry itself keeps Llama 4's (scores before the experts, declined for it)."""
+    from form_catalog.corpus import entries
+    from form_catalog.corpus._shell import tiny
+
+    titan = entries()["torchtitan_moe"]
+
+    def deepseek_v3_like():
+        args = titan.MoEArgs(num_experts=titan.EXPERTS, top_k=2, score_func="softmax", score_before_experts=False,
+                             use_grouped_mm=False)
+        return titan.MoE(args, dim=titan.HIDDEN, hidden_dim=titan.INTER)
+
+    model, inputs = tiny(deepseek_v3_like, titan.HIDDEN)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), report
+    assert [f.form for f in report.fused] == ["segments"], report
+    assert_close_for_dtype(output, eager_output(model, inputs))
