@@ -155,14 +155,14 @@ class HandedCounts(torch.nn.Module):
         return (back.view(-1, K, H) * w[..., None]).sum(1)
 
 
-def test_counts_of_a_fixed_length_handed_to_a_function_are_captured_and_fused():
+def test_counts_of_a_fixed_length_handed_to_a_function_are_captured():
     torch.manual_seed(0)
     model, inputs = HandedCounts(fixed=True), (torch.randn(9, H),)
     report, output, _ = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count) == (1, 0), report
-    # torchtitan's `x[: sum(sizes)]` and zero padding after: the segments are the runs of every expert's
-    # slots, so the prefix is every row and the padding none
-    assert [f.form for f in report.fused] == ["segments"], report
+    # torchtitan's `x[: sum(sizes)]` and zero padding after are not read by the segments finder: a prefix
+    # cut short, or padding for ids past the held experts, would change what the experts see
+    assert [d.form for d in report.declined] == ["segments"], report
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
@@ -176,21 +176,22 @@ def test_counts_of_a_data_dependent_length_break_the_graph_as_written():
 
 
 
-def test_torchtitans_deepseek_v3_configuration_is_fused():
-    """The corpus entry with torchtitan's DeepSeek-V3 settings (softmax, scores after the experts), where
-    the entry itself keeps Llama 4's (scores before the experts, declined for it)."""
-    from form_catalog.corpus import entries
-    from form_catalog.corpus._shell import tiny
 
-    titan = entries()["torchtitan_moe"]
 
-    def deepseek_v3_like():
-        args = titan.MoEArgs(num_experts=titan.EXPERTS, top_k=2, score_func="softmax", score_before_experts=False,
-                             use_grouped_mm=False)
-        return titan.MoE(args, dim=titan.HIDDEN, hidden_dim=titan.INTER)
+def split_present_only(w1, w2, w3, x, counts):
+    """The parameter is bound again to a data-dependent length before its host list is read."""
+    counts = counts[counts > 0]
+    sizes = counts.tolist()
+    pieces = torch.split(x, sizes, dim=0)
+    outs = []
+    for e, piece in enumerate(pieces):
+        outs.append(torch.matmul(F.silu(torch.matmul(piece, w1[e].transpose(-2, -1))), w2[e].transpose(-2, -1)))
+    return torch.cat(outs, dim=0)
 
-    model, inputs = tiny(deepseek_v3_like, titan.HIDDEN)
-    report, output, _ = run_hpu_moe(model, inputs)
-    assert (report.graph_count, report.graph_break_count) == (1, 0), report
-    assert [f.form for f in report.fused] == ["segments"], report
-    assert_close_for_dtype(output, eager_output(model, inputs))
+
+def test_counts_bound_again_in_the_function_are_left_as_written():
+    """Read at the parameter's length, `counts[counts > 0].tolist()` made dynamo raise where eager runs."""
+    from moe_passes.adapters import hit_expert_loops
+
+    assert hit_expert_loops.function_copy(split_present_only) is None
+    assert "bound again in the body" in hit_expert_loops._FUNCTION_DECISIONS.get(split_present_only, "copy")

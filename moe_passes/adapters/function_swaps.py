@@ -7,7 +7,8 @@ attribute is looked up while tracing and a copy installed on the class would nev
 function's `_torchdynamo_inline` in its place (how it inlines a ScriptFunction's Python source), and only
 dynamo reads it: each such function gets there a dispatcher that runs the traced copy while dynamo traces
 for hpu_moe and the function's own code otherwise. Eager calls never see it; a compile for another backend
-traces the function's own code one call deeper. It stays once set (dynamo guards on it: taken away after
+traces the function's code as it was when the dispatcher was made, one call deeper (a `__code__` or
+`__defaults__` replaced later is not followed). It stays once set (dynamo guards on it: taken away after
 each compile, it made every call recompile).
 """
 

@@ -1554,7 +1554,8 @@ def _prepend_gated_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...], tens
     """`_prepend_calls`, under `if` every dim of each of `tensors` is a plain int when traced: a length
     fixed at trace time (a `.tolist()` of a data-dependent length cannot be captured, and then breaks the
     graph as written)."""
-    test = " and ".join(f"all(isinstance(d, int) for d in {name}.shape)" for name in tensors)
+    test = " and ".join(f"getattr({name}, 'shape', None) is not None and all(isinstance(d, int) for d in {name}.shape)"
+                        for name in tensors)
     at = _docstring_count(fn_def)
     gate = ast.parse(f"if {test}:\n    pass").body[0]
     gate.body = [_statement(helper, fn_def.body[0]) for helper in helpers]

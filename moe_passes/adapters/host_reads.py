@@ -237,6 +237,9 @@ def split_sizes_of_parameters(fn_def: ast.FunctionDef, assignments: dict) -> tup
     for node in walk_function(fn_def):
         if _split_at_host_sizes(node, assignments):
             for name in sorted(_host_list_receivers(node, assignments) & parameters):
+                if assignments.get(name):  # `counts = counts[counts > 0]`: the entry's length says nothing
+                    raise NotAdaptable(f"line {node.lineno}: the split sizes are read from {name}, a parameter "
+                                       "bound again in the body, whose length is not known when traced")
                 found.append(name)
     return tuple(dict.fromkeys(found))
 

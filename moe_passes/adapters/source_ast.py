@@ -194,7 +194,7 @@ class Decisions:
             try:
                 setattr(owner, self._attribute, table)
                 self._owners.add(owner)
-            except (AttributeError, TypeError):  # takes no attributes: decided again at each look
+            except Exception:  # noqa: BLE001 - takes no attributes (a metaclass may refuse): decided again each look
                 pass
         return table
 

@@ -92,18 +92,11 @@ class Join:
     node: Node
     pieces: tuple[Node, ...]
     placed: tuple  # the Segment each piece is written to; empty for cat (consecutive by construction)
-    padded: bool = False  # zero rows put after the pieces (torchtitan's `vstack((out, zeros(num_padding)))`)
 
 
 def _joined(node: Node) -> Join | None:
     if is_call(node, aten.cat.default) and (len(node.args) < 2 or node.args[1] == 0):
-        pieces = tuple(node.args[0])
-        inner = _joined(pieces[0]) if len(pieces) == 2 and is_zero_init(pieces[1]) else None
-        if inner is not None and not inner.placed and not inner.padded:
-            # rows past the experts' segments, zeros: none once the segments are checked to be the runs of
-            # every expert's sorted slots, which cover every slot
-            return Join(node, inner.pieces, (), padded=True)
-        return Join(node, pieces, ())
+        return Join(node, tuple(node.args[0]), ())
     pieces, placed, buffer = [], [], node
     while is_call(buffer, aten.slice_scatter.default) and len(buffer.args) >= 5 and buffer.args[2] == 0:
         step = buffer.args[5] if len(buffer.args) > 5 else 1
@@ -284,8 +277,8 @@ def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
         inputs.append(segments[first][1].rows)
         if join.placed:
             segments.append((e, join.placed[e]))
-    sorted_rows = _below_prefix(strip_shape_ops(inputs[0]))
-    if any(_below_prefix(strip_shape_ops(r)) is not sorted_rows for r in inputs) or gather_parts(sorted_rows) is None:
+    sorted_rows = strip_shape_ops(inputs[0])
+    if any(strip_shape_ops(r) is not sorted_rows for r in inputs) or gather_parts(sorted_rows) is None:
         if _scales_gathered_rows(sorted_rows):
             return no(INPUT_SCALED, sorted_rows)
         return no("the experts do not read segments of one gather of the hidden states", inputs[0])
@@ -294,8 +287,6 @@ def match_at(found: tuple[Join, list[Node]]) -> ExpertsMatch | Decline:
         return read.decline(FORM, path[-1])
     algebra, rows, combine = read
     routed = algebra.routed_below
-    if routed is not None and (sorted_rows is not strip_shape_ops(inputs[0]) or join.padded):
-        return no("the sorted rows are cut to a prefix or padded, and to the slots of the routed experts", inputs[0])
     if routed is not None and routed != len(terms):
         return no(f"the sorted slots are cut to those of ids below {routed}, and {len(terms)} experts read them", join.node)
     weights = _routing_weights(join, combine, terms, algebra, segments)
@@ -373,17 +364,6 @@ def _cut_of_the_sort(index: object, algebra: SlotAlgebra, depth: int = 8) -> Nod
             return cut  # the ids sorted ascending (the algebra reads nothing else as a "perm")
         node = node.args[0] if node.args else None
     return None
-
-
-def _below_prefix(rows: Node) -> Node:
-    """X for `X[:n]` (dim 0, from 0, step 1; torchtitan's `x[: sum(sizes)]`), else `rows`. Taken as all
-    of X: the segments cut from it are then checked on probes to be the runs of every expert's sorted
-    slots (`_segments_are_runs`), which cover all of X, so n is at least its length wherever the split
-    of the prefix into them runs at all."""
-    args = arguments(rows) if is_call(rows, aten.slice.Tensor) else None
-    if args is None or args.get("dim", 0) != 0 or args.get("start", 0) not in (None, 0) or args.get("step", 1) != 1:
-        return rows
-    return args["input"]
 
 
 def _keeps_every_row(cut: Node) -> bool:
