@@ -1544,25 +1544,24 @@ def _static_sequence(expr: ast.AST) -> bool:
     return True
 
 
-def _prepend_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...]) -> None:
-    """`<helpers>.<helper>()` for each helper, in order, as the first statements after the docstring."""
+def _prepend_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...], gate: tuple[str, ...] = ()) -> None:
+    """`<helpers>.<helper>()` for each helper, in order, as the first statements after the docstring; with
+    `gate`, under `if` every dim of each of those tensors is a plain int when traced: a length fixed at
+    trace time (a `.tolist()` of a data-dependent length cannot be captured, and then breaks the graph as
+    written)."""
     at = _docstring_count(fn_def)
-    fn_def.body[at:at] = [_statement(helper, fn_def.body[0]) for helper in helpers]
-
-
-def _prepend_gated_calls(fn_def: ast.FunctionDef, helpers: tuple[str, ...], tensors: tuple[str, ...]) -> None:
-    """`_prepend_calls`, under `if` every dim of each of `tensors` is a plain int when traced: a length
-    fixed at trace time (a `.tolist()` of a data-dependent length cannot be captured, and then breaks the
-    graph as written)."""
-    test = " and ".join(f"getattr({name}, 'shape', None) is not None and all(isinstance(d, int) for d in {name}.shape)"
-                        for name in tensors)
-    at = _docstring_count(fn_def)
-    gate = ast.parse(f"if {test}:\n    pass").body[0]
-    gate.body = [_statement(helper, fn_def.body[0]) for helper in helpers]
-    for part in ast.walk(gate.test):
-        ast.copy_location(part, fn_def.body[0])
-    ast.copy_location(gate, fn_def.body[0])
-    fn_def.body[at:at] = [gate]
+    calls = [_statement(helper, fn_def.body[0]) for helper in helpers]
+    if gate:
+        test = " and ".join(
+            f"getattr({name}, 'shape', None) is not None and all(isinstance(d, int) for d in {name}.shape)"
+            for name in gate)
+        guarded = ast.parse(f"if {test}:\n    pass").body[0]
+        guarded.body = calls
+        for part in ast.walk(guarded):
+            if isinstance(part, ast.expr | ast.stmt) and part not in calls:
+                ast.copy_location(part, fn_def.body[0])
+        calls = [guarded]
+    fn_def.body[at:at] = calls
 
 
 def _as_list(visited) -> list:
@@ -1664,10 +1663,8 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     new_def = CutToCount(f"{_HELPERS}.cut_to_count", true_counts(fn_def, bindings(fn_def))).visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
-    if plan.captures_scalars and plan.static_lengths:
-        _prepend_gated_calls(new_def, ("capture_dynamic_output_shapes", "capture_scalar_outputs"), plan.static_lengths)
-    elif plan.captures_scalars:
-        _prepend_calls(new_def, ("capture_dynamic_output_shapes", "capture_scalar_outputs"))
+    if plan.captures_scalars:
+        _prepend_calls(new_def, ("capture_dynamic_output_shapes", "capture_scalar_outputs"), plan.static_lengths)
     new_def.decorator_list = []
     helpers = _helpers_namespace()
     for name, copy in plan.calls.items():
@@ -2167,8 +2164,7 @@ def declined_at(locations) -> list[str]:
         if line.isdigit():
             wanted.add((os.path.realpath(path), int(line)))
     found = []
-    methods = ((fn, decision, _KEPT_GUARDS.get(cls, key, [])) for cls, key, decision in _DECISIONS.items()
-               for fn in key[1:])
+    methods = ((key[1], decision, _KEPT_GUARDS.get(cls, key, [])) for cls, key, decision in _DECISIONS.items())
     functions = ((fn, decision, _KEPT_GUARDS.get(fn, "copy", [])) for fn, _, decision in _FUNCTION_DECISIONS.items())
     for fn, decision, reasons in (*methods, *functions):
         if isinstance(decision, str) and decision != "nothing to adapt":
