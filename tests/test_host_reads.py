@@ -13,12 +13,23 @@ from __future__ import annotations
 import ast
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_passes.adapters.count_loops import counts_returned
-from moe_passes.adapters.host_reads import CutToCount, NewTensorOfList, cut_to_count, tensor_like, true_counts
+from moe_passes.adapters.host_reads import (
+    CutToCount,
+    NewTensorOfList,
+    StateSizes,
+    cut_to_count,
+    link_parents,
+    sizes_at_least_zero,
+    split_size_lists,
+    tensor_like,
+    true_counts,
+)
 from moe_passes.adapters.source_ast import bindings
 from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
 
@@ -174,3 +185,52 @@ def test_prefix_cut_at_a_count_of_true_elements_becomes_a_narrow():
         compiled = torch.compile(kept, backend="eager", fullgraph=True)
         assert torch.equal(compiled(order, ids), order[:3] * 2)
         assert torch.equal(compiled(order, ids.clamp(max=2)), order * 2)
+
+
+def _size_lists(source: str) -> frozenset[str]:
+    fn_def = ast.parse(source).body[0]
+    link_parents(fn_def)
+    return split_size_lists(fn_def, bindings(fn_def))
+
+
+def test_sizes_read_on_the_host_that_surely_reach_a_split_are_stated_at_least_zero():
+    """torchtitan's `x[: sum(sizes)]` before `split(.., sizes)`: dynamo before torch 2.11 guards on the sign
+    of the unbacked sum. Split raises on a negative size, so a read whose split is surely reached may
+    state every size >= 0; a read that may not reach it (a return between, a conditional split, a `try`)
+    is left alone."""
+    source = (
+        "def f(x, counts):\n"
+        "    sizes = counts.tolist()\n"
+        "    pad = x.shape[0] - sum(sizes)\n"
+        "    parts = torch.split(x[: sum(sizes)], split_size_or_sections=sizes, dim=0)\n"
+        "    return parts, pad\n"
+    )
+    assert _size_lists(source) == {"sizes"}
+    fn_def = ast.parse(source).body[0]
+    stated = StateSizes("helpers.state", frozenset({"sizes"})).visit(fn_def)
+    stated = CutToCount("helpers.cut", frozenset(), frozenset({"sizes"})).visit(stated)
+    assert ast.unparse(stated).splitlines()[1:4] == [
+        "    sizes = helpers.state(counts.tolist())",
+        "    pad = x.shape[0] - sum(sizes)",
+        "    parts = torch.split(helpers.cut(x, sum(sizes)), split_size_or_sections=sizes, dim=0)",
+    ]
+    may_return = source.replace("    pad =", "    if x.numel() == 0:\n        return x, 0\n    pad =")
+    conditional = source.replace("torch.split(x[: sum(sizes)], split_size_or_sections=sizes, dim=0)",
+                                 "torch.split(x, sizes) if x.dim() else x")
+    in_try = "def f(x, counts):\n    try:\n        s = counts.tolist()\n        return x.split(s)\n    except RuntimeError:\n        return x\n"
+    bound_twice = source.replace("    pad =", "    sizes = [0] + sizes\n    pad =")
+    assert [_size_lists(s) for s in (may_return, conditional, in_try, bound_twice)] == [set()] * 4
+
+    assert sizes_at_least_zero([0, 3, 1]) == [0, 3, 1]
+    with pytest.raises(RuntimeError):
+        sizes_at_least_zero([2, -1])
+
+    def pieces(x, counts):  # traced as the copy is: an unbacked sum bounds the cut, then split
+        sizes = sizes_at_least_zero(counts.tolist())
+        return [p * 2 for p in torch.split(cut_to_count(x, sum(sizes)), sizes)]
+
+    x, counts = torch.arange(12.0).view(6, 2), torch.tensor([2, 0, 3])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        got = torch.compile(pieces, backend="eager", fullgraph=True)(x, counts)
+    assert [p.tolist() for p in got] == [p.tolist() for p in pieces(x, counts)]

@@ -85,6 +85,7 @@ from .host_reads import (
     ListIndex,
     NewTensorOfList,
     ReplaceListIndices,
+    StateSizes,
     capacity_cut,
     capacity_cuts,
     check_length_reads,
@@ -93,7 +94,9 @@ from .host_reads import (
     data_length_names,
     link_parents,
     list_indices,
+    sizes_at_least_zero,
     split_pieces,
+    split_size_lists,
     split_sizes_of_parameters,
     splits_by_host_sizes,
     tensor_like,
@@ -1038,6 +1041,7 @@ class Plan:
     present_loops: tuple[PresentLoop, ...] = ()  # loops over `ids.unique()` that run over every expert
     # parameters whose `.tolist()` sizes a split: numbers are captured only where they have a fixed length
     static_lengths: tuple[str, ...] = ()
+    size_lists: frozenset[str] = frozenset()  # host-read lists that size a split: stated >= 0 (host_reads)
 
     def changes_anything(self) -> bool:
         return bool(
@@ -1148,6 +1152,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
         tuple(lists), tuple(selecting),
         _read_only_by(fn_def, set(guards)), cuts, tuple(fixed), present_loops=tuple(present),
         static_lengths=split_sizes_of_parameters(fn_def, assignments) if scalars else (),
+        size_lists=split_size_lists(fn_def, assignments) if scalars else frozenset(),
     )
     if plan.captures_shapes or plan.captures_scalars:
         lengths = data_length_names(fn_def, selected_anywhere | set(pieces))
@@ -1660,7 +1665,8 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
     if plan.cuts:
         new_def = CutToCapacity(f"{_HELPERS}.cut_to_capacity").visit(new_def)
     new_def = NewTensorOfList(f"{_HELPERS}.tensor_like").visit(new_def)
-    new_def = CutToCount(f"{_HELPERS}.cut_to_count", true_counts(fn_def, bindings(fn_def))).visit(new_def)
+    new_def = StateSizes(f"{_HELPERS}.sizes_at_least_zero", plan.size_lists).visit(new_def)
+    new_def = CutToCount(f"{_HELPERS}.cut_to_count", true_counts(fn_def, bindings(fn_def)), plan.size_lists).visit(new_def)
     # A method that reads per-expert counts as numbers captures data-dependent shapes throughout (its
     # counts feed sorts, masked selects and splits anywhere in it); else only around its expert loops.
     if plan.captures_scalars:
@@ -1862,6 +1868,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         cut=cut,
         cut_to_capacity=cut_to_capacity,
         cut_to_count=cut_to_count,
+        sizes_at_least_zero=sizes_at_least_zero,
         out_of=out_of,
         tensor_like=tensor_like,
         scalar_index=scalar_index,

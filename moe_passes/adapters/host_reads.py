@@ -416,18 +416,108 @@ def _counts_true(expr: ast.AST) -> bool:
 
 
 class CutToCount(ast.NodeTransformer):
-    """`X[:n]`, n one of `counts` (`true_counts`) -> `cut(X, n)`, where `cut` is `cut_to_count`."""
+    """`X[:n]`, n one of `counts` (`true_counts`) or `sum(L)`, L one of `sizes` (`split_size_lists`) ->
+    `cut(X, n)`, where `cut` is `cut_to_count`."""
 
-    def __init__(self, cut: str, counts: frozenset[str]):
-        self.cut, self.counts = ast.parse(cut, mode="eval").body, counts
+    def __init__(self, cut: str, counts: frozenset[str], sizes: frozenset[str] = frozenset()):
+        self.cut, self.counts, self.sizes = ast.parse(cut, mode="eval").body, counts, sizes
 
     def visit_Subscript(self, node: ast.Subscript):
         node = self.generic_visit(node)
         bounds = node.slice
         if not (isinstance(node.ctx, ast.Load) and isinstance(bounds, ast.Slice) and bounds.lower is None
-                and bounds.step is None and isinstance(bounds.upper, ast.Name) and bounds.upper.id in self.counts):
+                and bounds.step is None and self._at_least_zero(bounds.upper)):
             return node
         return ast.copy_location(ast.Call(self.cut, [node.value, bounds.upper], []), node)
+
+    def _at_least_zero(self, bound: ast.expr | None) -> bool:
+        if isinstance(bound, ast.Name):
+            return bound.id in self.counts
+        return (call_name(bound) == "sum" and isinstance(bound.func, ast.Name) and len(bound.args) == 1
+                and not bound.keywords and isinstance(bound.args[0], ast.Name) and bound.args[0].id in self.sizes)
+
+
+def split_size_lists(fn_def: ast.FunctionDef, assignments: dict) -> frozenset[str]:
+    """Names bound once to `t.tolist()` that size a split later in the same block, surely reached: no
+    `return`, `raise`, `yield`, `break` or `continue` between, the split under no conditional expression,
+    nothing in a `try`. `split` raises on a negative size, so a run that gets past the read and completes
+    has every size >= 0; stating it at the read (`sizes_at_least_zero`) changes no such run, and tells
+    dynamo before torch 2.11 the sign it otherwise guards on (`x[: sum(sizes)]`: torchtitan's grouped
+    experts)."""
+    found = set()
+    for name, bound in assignments.items():
+        if len(bound) != 1 or not _host_read(bound[0]) or not _bound_once(fn_def, name):
+            continue
+        block = _block_of(bound[0])
+        if block is None:
+            continue
+        for stmt in block[block.index(bound[0]) + 1:]:
+            if _sized_by(stmt, name, assignments):
+                found.add(name)
+                break
+            if any(isinstance(n, ast.Return | ast.Raise | ast.Yield | ast.YieldFrom | ast.Break | ast.Continue)
+                   for n in ast.walk(stmt)):
+                break
+    return frozenset(found)
+
+
+def _host_read(stmt: ast.AST) -> bool:
+    return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and call_name(stmt.value) == "tolist" and isinstance(stmt.value.func, ast.Attribute)
+            and not stmt.value.args and not stmt.value.keywords)
+
+
+def _block_of(stmt: ast.stmt) -> list[ast.stmt] | None:
+    """The statement list holding `stmt` (needs `link_parents`); None inside a `try`."""
+    parent = getattr(stmt, "_moe_parent", None)
+    node = parent
+    while node is not None:
+        if isinstance(node, ast.Try | ast.TryStar):
+            return None
+        node = getattr(node, "_moe_parent", None)
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(parent, field, None)
+        if isinstance(block, list) and any(item is stmt for item in block):
+            return block
+    return None
+
+
+def _sized_by(stmt: ast.stmt, name: str, assignments: dict) -> bool:
+    """`stmt` is an expression or assignment whose evaluation always calls a split sized by `name`."""
+    if not isinstance(stmt, ast.Assign | ast.Expr | ast.AnnAssign):
+        return False
+    conditional = (ast.IfExp, ast.BoolOp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    stack = [stmt.value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, conditional):
+            continue
+        if _split_at_host_sizes(node, assignments):
+            sizes = [*node.args[1:2], *node.args[:1], *(k.value for k in node.keywords)]
+            if any(isinstance(_unwrapped(size), ast.Name) and _unwrapped(size).id == name for size in sizes):
+                return True
+        stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def sizes_at_least_zero(sizes):
+    """`sizes` (a list read on the host that sizes a split: `split_size_lists`), each stated >= 0."""
+    for size in sizes:
+        if isinstance(size, (int, torch.SymInt)):  # a tuple: dynamo before 2.11 cannot read `X | Y`
+            torch._check(size >= 0)
+    return sizes
+
+
+class StateSizes(ast.NodeTransformer):
+    """`L = t.tolist()`, L one of `sizes` (`split_size_lists`) -> `L = state(t.tolist())`."""
+
+    def __init__(self, state: str, sizes: frozenset[str]):
+        self.state, self.sizes = ast.parse(state, mode="eval").body, sizes
+
+    def visit_Assign(self, node: ast.Assign):
+        if _host_read(node) and node.targets[0].id in self.sizes:
+            node.value = ast.copy_location(ast.Call(self.state, [node.value], []), node.value)
+        return node
 
 
 def cut_to_count(rows, count):
@@ -524,5 +614,5 @@ def _split_source(expr: ast.AST, assignments: dict, line: int) -> str | None:
     return ast.unparse(sizes[0])
 
 
-__all__ = ["CutToCapacity", "cut_to_capacity", "CutToCount", "cut_to_count", "true_counts", "NewTensorOfList", "tensor_like", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
+__all__ = ["CutToCapacity", "cut_to_capacity", "CutToCount", "cut_to_count", "StateSizes", "sizes_at_least_zero", "split_size_lists", "true_counts", "NewTensorOfList", "tensor_like", "ListIndex", "ReplaceListIndices", "capacity_cuts", "check_length_reads", "data_length_names", "length_reads",
            "link_parents", "list_indices", "splits_by_host_sizes", "split_sizes_of_parameters", "NotAdaptable", "SplitPieces", "split_pieces"]
