@@ -195,3 +195,47 @@ def test_counts_bound_again_in_the_function_are_left_as_written():
 
     assert hit_expert_loops.function_copy(split_present_only) is None
     assert "bound again in the body" in hit_expert_loops._FUNCTION_DECISIONS.get(split_present_only, "copy")
+
+
+def run_experts_scaled(layer, x, w, ids, scale=1.0):
+    """run_experts times a default the test replaces after the dispatcher was made."""
+    counts = ids.new_zeros((ids.shape[0], E)).scatter_(1, ids, 1).sum(0).tolist()
+    order = ids.flatten().argsort()
+    rows = x[order // K]
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        end = start + n
+        if n == 0:
+            continue
+        h = F.linear(rows[start:end], layer.w13[e])
+        outs.append(F.linear(F.silu(h[:, : 2 * H]) * h[:, 2 * H :], layer.w2[e]))
+        start = end
+    y = torch.empty_like(rows)
+    y[order] = torch.cat(outs)
+    return (y.view(-1, K, H) * w[..., None]).sum(1) * scale
+
+
+class ScaledLayer(FunctionLayer):
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K)
+        return run_experts_scaled(self, x, w / w.sum(-1, keepdim=True), ids)
+
+
+def test_a_function_changed_after_its_dispatcher_was_made_is_traced_as_it_now_is():
+    """Replacing the function's defaults (or code) after an hpu_moe compile: no backend traces the old ones."""
+    torch.manual_seed(0)
+    model, inputs = ScaledLayer(), (torch.randn(9, H),)
+    report, _, _ = run_hpu_moe(model, inputs)
+    assert [f.form for f in report.fused] == ["segments"], report
+    assert "_torchdynamo_inline" in vars(run_experts_scaled)
+    defaults = run_experts_scaled.__defaults__
+    try:
+        run_experts_scaled.__defaults__ = (2.0,)
+        expected = eager_output(model, inputs)
+        for backend in ("eager", "hpu_moe"):
+            torch._dynamo.reset()
+            with torch.no_grad():
+                assert_close_for_dtype(torch.compile(model, backend=backend)(*inputs), expected)
+        assert "_torchdynamo_inline" not in vars(run_experts_scaled)
+    finally:
+        run_experts_scaled.__defaults__ = defaults

@@ -137,6 +137,8 @@ OFFSET_OPS = frozenset(
         operator.sub,
         torch.sym_min,
         torch.sym_max,
+        # a running sum of numbers read on the host (`end = start + n`), as dynamo before torch 2.11 traces it
+        *((torch.sym_sum,) if hasattr(torch, "sym_sum") else ()),
     }
 )
 # ... and, where the ids' sort order is cut to the routed slots (`order[:(ids < R).sum().item()]`,
