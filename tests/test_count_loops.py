@@ -87,6 +87,24 @@ class AppendsABias(CountLoopMoE):
         return torch.cat(outputs)
 
 
+class ReducesTheRows(CountLoopMoE):
+    """Appends the mean of an expert's rows: with no rows that is NaN, which the skip kept out of the cat."""
+
+    def segments(self, hidden_states, ids, weights):
+        per_expert = ids.new_zeros((ids.shape[0], len(self.experts))).scatter_(1, ids, 1).sum(dim=0)
+        order = ids.view(-1).argsort()
+        rows = hidden_states[order // ids.shape[1]]
+        outputs, start = [], 0
+        for i, count in enumerate(per_expert):
+            if count == 0:
+                continue
+            end = start + count
+            out = self.experts[i](rows[start:end])
+            outputs.append(out.mean(0, keepdim=True))
+            start = end
+        return torch.cat(outputs)
+
+
 class CountsTheOutputs(CountLoopMoE):
     """Reads how many experts ran: an expert with no rows would now count."""
 
@@ -112,6 +130,7 @@ KEPT = {
     CountsCalls: "`self.calls += 1` in the loop over the counts may act for an expert with no rows",
     AppendsABias: "what is appended to outputs is not computed from the rows cut",
     CountsTheOutputs: "the list outputs is read other than by torch.cat",
+    ReducesTheRows: "goes through `mean`, which may leave a value with rows when the cut has none",
 }
 
 
@@ -345,4 +364,32 @@ def test_device_moves_in_the_loop_keep_the_guard_provably_removable():
     model.moes[0].__class__ = MovesToTheDevice
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, len(recorder.fused_nodes())) == (1, 1), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_reduction_of_an_experts_rows_keeps_the_skip_and_the_output():
+    """Removing the skip there appended NaN (the mean of no rows) where eager appends nothing."""
+
+    class ReducingLoop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 4, bias=False)
+            self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+        def forward(self, x):
+            ids = torch.topk(self.gate(x), 2).indices
+            counts = ids.new_zeros((ids.shape[0], 4)).scatter_(1, ids, 1).sum(0).tolist()
+            rows = x[ids.flatten().argsort() // 2]
+            outs, start = [], 0
+            for e, n in enumerate(counts):
+                end = start + n
+                if n == 0:
+                    continue
+                outs.append(torch.nn.functional.linear(rows[start:end], self.w[e]).mean(0))
+                start = end
+            return x + torch.cat(outs).view(-1, 8).sum(0)
+
+    torch.manual_seed(0)
+    model, inputs = ReducingLoop(), (torch.randn(2, 8),)  # 2 tokens x top-2 of 4 experts: some get none
+    _, output, _ = run_hpu_moe(model, inputs)
     assert_close_for_dtype(output, eager_output(model, inputs))

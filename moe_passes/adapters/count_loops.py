@@ -244,6 +244,15 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
                 return True
         return False
 
+    def computed_with(value: ast.AST, position: int, depth: int = 0) -> list[ast.AST]:
+        """`value` and the values of the bindings it reads (each at the binding before its use)."""
+        found = [value]
+        for name in loads(value) if depth < 8 else ():
+            earlier = [(i, v) for i, bound_name, v in definitions if bound_name == name and i < position]
+            if earlier:
+                found.extend(computed_with(earlier[-1][1], earlier[-1][0], depth + 1))
+        return found
+
     positions = {stmt.lineno: i for i, stmt in enumerate(body)}
     for line, listed, value in lists:
         if not from_segment(value, positions[line]):
@@ -251,8 +260,69 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
                 f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
                 "running offset and offset + count"
             )
+        dropping = next(filter(None, map(_row_dropping, computed_with(value, positions[line]))), None)
+        if dropping is not None:
+            raise NotAdaptable(
+                f"line {line}: what is appended to {listed} goes through `{dropping}`, which may leave a value "
+                "with rows when the cut has none (an expert with no rows would add it to the cat the skip kept it "
+                "out of)"
+            )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
     return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends))
+
+
+# Why removing the skip is exact: with no rows, a value computed row by row from the cut has no rows
+# either, and `torch.cat` adds nothing for it. These ops can break that: reductions (a sum over no rows is
+# zeros, a mean NaN) unless over a later dim, and ops that move the rows off dim 0. Module calls (the
+# experts) are taken to map rows to rows, as every MLP does.
+_REDUCTIONS = frozenset({
+    "sum", "mean", "prod", "max", "min", "amax", "amin", "aminmax", "std", "var", "std_mean", "var_mean",
+    "norm", "logsumexp", "any", "all", "argmax", "argmin", "median", "nanmedian", "nanmean", "nansum",
+    "mode", "kthvalue", "quantile", "nanquantile", "count_nonzero",
+})
+_MOVES_ROWS = frozenset({"einsum", "t", "movedim", "moveaxis", "swapaxes", "swapdims"})
+_TRANSPOSED = frozenset({"T", "mT", "H", "mH"})
+
+
+def _row_dropping(value: ast.AST) -> str | None:
+    """The first op in `value` that may leave rows where its input has none (see above), or None."""
+    for node in ast.walk(value):
+        if isinstance(node, ast.Attribute) and node.attr in _TRANSPOSED:
+            return f".{node.attr}"
+        name = call_name(node)
+        if name is None or not isinstance(node, ast.Call) or isinstance(node.func, ast.Name):
+            continue  # Python builtins (`min(end, total)` of offsets) are not tensor ops
+        dims = _dim_arguments(node)
+        if name in _MOVES_ROWS:
+            return name
+        if name in _REDUCTIONS and not _all_later(dims):
+            return name
+        if name in ("transpose", "swapdims") and not (len(dims) == 2 and _all_later(dims)):
+            return name
+        if name == "permute" and not (dims and isinstance(dims[0], ast.Constant) and dims[0].value == 0):
+            return name
+        if name in ("unsqueeze", "stack") and not _all_later(dims[:1]):
+            return name
+    return None
+
+
+def _dim_arguments(call: ast.Call) -> list[ast.expr]:
+    """The dim arguments of a torch call, spelled as a method (`x.sum(1)`) or a function (`torch.sum(x, 1)`)."""
+    func = call.func
+    function = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in ("torch", "F")
+    positional = list(call.args[1:] if function else call.args)  # torch.stack(tensors, dim) too
+    if call_name(call) == "permute" and len(positional) == 1 and isinstance(positional[0], ast.Tuple | ast.List):
+        positional = list(positional[0].elts)
+    keywords = [k.value for k in call.keywords if k.arg in ("dim", "dim0", "dim1", "dims", "axis")]
+    found = positional + keywords
+    if len(found) == 1 and isinstance(found[0], ast.Tuple | ast.List):
+        return list(found[0].elts)
+    return found
+
+
+def _all_later(dims: list[ast.expr]) -> bool:
+    """Every dim is a literal int >= 1 (a negative one may be dim 0 of a 1-D value); none given is False."""
+    return bool(dims) and all(isinstance(d, ast.Constant) and type(d.value) is int and d.value >= 1 for d in dims)
 
 
 def _guard_index(body: list[ast.stmt], n: str) -> int | None:
