@@ -2122,8 +2122,14 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
 
     def decide():
         fn_def, filename, plan = analyse(fn)
-        if plan.kept_guards:
-            _KEPT_GUARDS.of(fn)["copy"] = [f"{fn.__module__}.{fn.__qualname__}: {r}" for r in plan.kept_guards]
+        # reported where a graph break lies in the function: the kept guards, or the capture left off
+        notes = list(plan.kept_guards)
+        if plan.static_lengths:
+            notes.append(f"the numbers of {', '.join(plan.static_lengths)} are captured only where its length is "
+                         "fixed when traced; of a data-dependent length (a bincount) its host read breaks the graph "
+                         "as written")
+        if notes:
+            _KEPT_GUARDS.of(fn)["copy"] = [f"{fn.__module__}.{fn.__qualname__}: {r}" for r in notes]
         if not plan.changes_anything():
             return "nothing to adapt"
         return rewrite(fn, fn_def, filename, plan)
