@@ -125,6 +125,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
+def _matmul(a, b):
+    """matmul of rows with a data-dependent count and more than two dims by a matrix, as mm of the
+    flattened rows viewed back: what matmul itself does for these shapes (fold, mm, view), spelled so
+    that older torch (2.9), whose C++ matmul reads numel() there, can trace it (Megatron's legacy
+    `SwitchMLP` feeds its experts `x[nonzero]` rows of [n, 1, h])."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() > 2 and b.dim() == 2
+            and free_unbacked_symbols(a.shape)):
+        return torch.matmul(a, b)
+    return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+
+
 def _no_mode_change(*_args):
     """`torch.inference_mode(...)` entered or left inside the graph (torch 2.9's dynamo records the switch
     as calls): the canonical trace computes the same values without it, and switching it inside functorch's
@@ -143,7 +154,8 @@ def _in_place(method: str, fallback):
 
 
 _TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot,
-              torch._C._nn.linear: _linear, torch.nn.functional.linear: _linear}
+              torch._C._nn.linear: _linear, torch.nn.functional.linear: _linear,
+              torch.matmul: _matmul, operator.matmul: _matmul}
 _TRACED_AS.update({
     operator.ior: _in_place("bitwise_or_", operator.ior),
     operator.iand: _in_place("bitwise_and_", operator.iand),

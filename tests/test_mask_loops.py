@@ -200,6 +200,26 @@ def test_index_columns_stored_back_are_fused():
     assert report.graph_count == 1 and len(report.fused) == 1 and report.fused[0].top_k == 1, str(report)
 
 
+class MatmulColumns(Routed):
+    """IndexColumns with experts written as `torch.matmul` of the [n, 1, H] rows by the transposed weights
+    (Megatron's legacy SwitchMLP, whose linears call matmul): torch 2.9's matmul reads numel() there."""
+
+    def forward(self, x):
+        best_prob, best = self.router(x).softmax(-1).max(dim=1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (best == e).nonzero()
+            rows = x[idx, :]
+            h = F.silu(torch.matmul(rows, expert.gate.weight.t())) * (rows @ expert.up.weight.t())
+            out[idx, :] = torch.matmul(h, expert.down.weight.t())
+        return out * best_prob.unsqueeze(1)
+
+
+def test_matmul_of_index_columns_is_fused():
+    report = _compile(MatmulColumns)
+    assert report.graph_count == 1 and len(report.fused) == 1 and report.fused[0].top_k == 1, str(report)
+
+
 def test_index_columns_of_overlapping_tokens_are_declined():
     report = _compile(NeighbourColumns)
     assert not report.fused and "at rows another expert writes too" in report.declined[0].reason, str(report)
