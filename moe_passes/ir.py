@@ -125,14 +125,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
-def _matmul(a, b):
+def _matmul(a, b, **kwargs):
     """matmul of rows with a data-dependent count and more than two dims by a matrix, as mm of the
     flattened rows viewed back: what matmul itself does for these shapes (fold, mm, view), spelled so
     that older torch (2.9), whose C++ matmul reads numel() there, can trace it (Megatron's legacy
     `SwitchMLP` feeds its experts `x[nonzero]` rows of [n, 1, h])."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() > 2 and b.dim() == 2
-            and free_unbacked_symbols(a.shape)):
-        return torch.matmul(a, b)
+    if kwargs or not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() > 2
+                      and b.dim() == 2 and free_unbacked_symbols(a.shape)):
+        return torch.matmul(a, b, **kwargs)  # `out=` included, as written
     return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
 
 

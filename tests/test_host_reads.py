@@ -219,9 +219,11 @@ def test_sizes_read_on_the_host_that_surely_reach_a_split_are_stated_at_least_ze
                                  "torch.split(x, sizes) if x.dim() else x")
     in_try = "def f(x, counts):\n    try:\n        s = counts.tolist()\n        return x.split(s)\n    except RuntimeError:\n        return x\n"
     bound_twice = source.replace("    pad =", "    sizes = [0] + sizes\n    pad =")
-    assert [_size_lists(s) for s in (may_return, conditional, in_try, bound_twice)] == [set()] * 4
+    stored_into = source.replace("    pad =", "    sizes[-1] = x.shape[0] - sum(sizes[:-1])\n    pad =")
+    handed_on = source.replace("    pad =", "    log(sizes)\n    pad =")
+    assert [_size_lists(s) for s in (may_return, conditional, in_try, bound_twice, stored_into, handed_on)] == [set()] * 6
 
-    assert sizes_at_least_zero([0, 3, 1]) == [0, 3, 1]
+    assert sizes_at_least_zero([0, 3, 1]) == [0, 3, 1] and sizes_at_least_zero(5) == 5
     with pytest.raises(RuntimeError):
         sizes_at_least_zero([2, -1])
 

@@ -448,6 +448,8 @@ def split_size_lists(fn_def: ast.FunctionDef, assignments: dict) -> frozenset[st
     for name, bound in assignments.items():
         if len(bound) != 1 or not _host_read(bound[0]) or not _bound_once(fn_def, name):
             continue
+        if not _only_read_whole(fn_def, name):  # `sizes[-1] = rest`: the numbers change after the read
+            continue
         block = _block_of(bound[0])
         if block is None:
             continue
@@ -459,6 +461,24 @@ def split_size_lists(fn_def: ast.FunctionDef, assignments: dict) -> frozenset[st
                    for n in ast.walk(stmt)):
                 break
     return frozenset(found)
+
+
+def _only_read_whole(fn_def: ast.FunctionDef, name: str) -> bool:
+    """Every load of `name` is an argument of `split`/`split_with_sizes`/`sum`/`len` (or of `list`/`tuple`
+    within one): never indexed, stored into, mutated by a method or handed to other code."""
+    for node in walk_function(fn_def):
+        if not (isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)):
+            continue
+        parent = getattr(node, "_moe_parent", None)
+        while call_name(parent) in ("list", "tuple") and isinstance(parent.func, ast.Name):
+            parent = getattr(parent, "_moe_parent", None)
+        if isinstance(parent, ast.keyword):
+            parent = getattr(parent, "_moe_parent", None)
+        if call_name(parent) not in ("split", "split_with_sizes", "sum", "len") or not isinstance(parent, ast.Call):
+            return False
+        if isinstance(parent.func, ast.Attribute) and parent.func.value is node:
+            return False  # `sizes.split(...)` is no tensor split
+    return True
 
 
 def _host_read(stmt: ast.AST) -> bool:
@@ -502,6 +522,8 @@ def _sized_by(stmt: ast.stmt, name: str, assignments: dict) -> bool:
 
 def sizes_at_least_zero(sizes):
     """`sizes` (a list read on the host that sizes a split: `split_size_lists`), each stated >= 0."""
+    if not isinstance(sizes, list):  # a 0-d tensor's number: split's size, checked by split itself
+        return sizes
     for size in sizes:
         if isinstance(size, (int, torch.SymInt)):  # a tuple: dynamo before 2.11 cannot read `X | Y`
             torch._check(size >= 0)
