@@ -105,6 +105,42 @@ class ReducesTheRows(CountLoopMoE):
         return torch.cat(outputs)
 
 
+class SumsWithANewLeadingDim(ReducesTheRows):
+    """`y[None].sum(1)`: a sum over the rows under a later dim, one row even for none (a review's case)."""
+
+    def segments(self, hidden_states, ids, weights):
+        per_expert = ids.new_zeros((ids.shape[0], len(self.experts))).scatter_(1, ids, 1).sum(dim=0)
+        order = ids.view(-1).argsort()
+        rows = hidden_states[order // ids.shape[1]]
+        outputs, start = [], 0
+        for i, count in enumerate(per_expert):
+            if count == 0:
+                continue
+            end = start + count
+            out = self.experts[i](rows[start:end])
+            outputs.append(out[None].sum(1))
+            start = end
+        return torch.cat(outputs)
+
+
+class SumsByAMatmul(ReducesTheRows):
+    """`ones(1, n) @ y`: a row of zeros for no rows (a review's case)."""
+
+    def segments(self, hidden_states, ids, weights):
+        per_expert = ids.new_zeros((ids.shape[0], len(self.experts))).scatter_(1, ids, 1).sum(dim=0)
+        order = ids.view(-1).argsort()
+        rows = hidden_states[order // ids.shape[1]]
+        outputs, start = [], 0
+        for i, count in enumerate(per_expert):
+            if count == 0:
+                continue
+            end = start + count
+            out = self.experts[i](rows[start:end])
+            outputs.append(torch.ones(1, end - start) @ out)
+            start = end
+        return torch.cat(outputs)
+
+
 class CountsTheOutputs(CountLoopMoE):
     """Reads how many experts ran: an expert with no rows would now count."""
 
@@ -131,6 +167,8 @@ KEPT = {
     AppendsABias: "what is appended to outputs is not computed from the rows cut",
     CountsTheOutputs: "the list outputs is read other than by torch.cat",
     ReducesTheRows: "goes through `mean`, which may leave a value with rows when the cut has none",
+    SumsWithANewLeadingDim: "goes through `[None]`",
+    SumsByAMatmul: "goes through `@`",
 }
 
 

@@ -278,10 +278,13 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
 _REDUCTIONS = frozenset({
     "sum", "mean", "prod", "max", "min", "amax", "amin", "aminmax", "std", "var", "std_mean", "var_mean",
     "norm", "logsumexp", "any", "all", "argmax", "argmin", "median", "nanmedian", "nanmean", "nansum",
-    "mode", "kthvalue", "quantile", "nanquantile", "count_nonzero",
+    "mode", "kthvalue", "quantile", "nanquantile", "count_nonzero", "vector_norm", "matrix_norm",
 })
-_MOVES_ROWS = frozenset({"einsum", "t", "movedim", "moveaxis", "swapaxes", "swapdims"})
+_MOVES_ROWS = frozenset({"einsum", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "pad", "cat", "concat",
+                         "concatenate"})
 _TRANSPOSED = frozenset({"T", "mT", "H", "mH"})
+_MADE = frozenset({"ones", "zeros", "full", "eye", "rand", "randn", "empty", "tensor", "ones_like", "zeros_like",
+                   "full_like", "new_ones", "new_zeros", "new_full", "new_tensor"})
 
 
 def _row_dropping(value: ast.AST) -> str | None:
@@ -289,12 +292,21 @@ def _row_dropping(value: ast.AST) -> str | None:
     for node in ast.walk(value):
         if isinstance(node, ast.Attribute) and node.attr in _TRANSPOSED:
             return f".{node.attr}"
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and call_name(node.left) in _MADE:
+            return "@"  # `ones(1, n) @ y`: a sum over the rows, one row even for none
+        if isinstance(node, ast.Subscript):
+            first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) and node.slice.elts else node.slice
+            if isinstance(first, ast.Constant) and first.value is None:
+                return "[None]"  # a new leading dim
         name = call_name(node)
         if name is None or not isinstance(node, ast.Call) or isinstance(node.func, ast.Name):
             continue  # Python builtins (`min(end, total)` of offsets) are not tensor ops
         dims = _dim_arguments(node)
         if name in _MOVES_ROWS:
             return name
+        if name in ("view", "reshape") and node.args and isinstance(node.args[0], ast.Constant) and (
+                node.args[0].value != -1):
+            return name  # `view(1, -1, h)`: the rows off dim 0
         if name in _REDUCTIONS and not _all_later(dims):
             return name
         if name in ("transpose", "swapdims") and not (len(dims) == 2 and _all_later(dims)):
