@@ -233,17 +233,6 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
     # (SGLang binds `gate_up` twice, the second time from the first)
     definitions = [(i, *binding) for i, stmt in enumerate(body) for binding in _simple_bindings([stmt])]
 
-    def from_segment(value: ast.AST, position: int, depth: int = 0) -> bool:
-        if any(_cuts_between(part, carried, ends) for part in ast.walk(value)):
-            return True
-        if depth >= 8:
-            return False
-        for name in loads(value):
-            earlier = [(i, v) for i, bound_name, v in definitions if bound_name == name and i < position]
-            if earlier and from_segment(earlier[-1][1], earlier[-1][0], depth + 1):
-                return True
-        return False
-
     def computed_with(value: ast.AST, position: int, depth: int = 0) -> list[ast.AST]:
         """`value` and the values of the bindings it reads (each at the binding before its use)."""
         found = [value]
@@ -255,12 +244,13 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> Cou
 
     positions = {stmt.lineno: i for i, stmt in enumerate(body)}
     for line, listed, value in lists:
-        if not from_segment(value, positions[line]):
+        sources = computed_with(value, positions[line])
+        if not any(_cuts_between(part, carried, ends) for source in sources for part in ast.walk(source)):
             raise NotAdaptable(
                 f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
                 "running offset and offset + count"
             )
-        dropping = next(filter(None, map(_row_dropping, computed_with(value, positions[line]))), None)
+        dropping = next(filter(None, map(_row_dropping, sources)), None)
         if dropping is not None:
             raise NotAdaptable(
                 f"line {line}: what is appended to {listed} goes through `{dropping}`, which may leave a value "

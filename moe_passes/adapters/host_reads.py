@@ -197,14 +197,17 @@ def splits_by_host_sizes(fn_def: ast.FunctionDef, assignments: dict) -> bool:
 
 
 def _split_at_host_sizes(node: ast.AST, assignments: dict) -> bool:
-    name = call_name(node)
-    if name not in ("split", "split_with_sizes"):
-        return False
-    is_function = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and (
-        node.func.value.id == "torch")
-    positional = node.args[1:2] if is_function else node.args[:1]
-    keywords = [k.value for k in node.keywords if k.arg in ("split_size_or_sections", "split_sizes", "split_size")]
-    return any(_host_list(size, assignments) for size in (*positional, *keywords))
+    return call_name(node) in ("split", "split_with_sizes") and any(
+        _host_list(size, assignments) for size in _split_sizes_arguments(node))
+
+
+def _split_sizes_arguments(split: ast.Call) -> list[ast.expr]:
+    """The sizes argument of `torch.split(x, sizes)` / `x.split(sizes)`, positional or by keyword."""
+    is_function = isinstance(split.func, ast.Attribute) and isinstance(split.func.value, ast.Name) and (
+        split.func.value.id == "torch")
+    positional = split.args[1:2] if is_function else split.args[:1]
+    keywords = [k.value for k in split.keywords if k.arg in ("split_size_or_sections", "split_sizes", "split_size")]
+    return [*positional, *keywords]
 
 
 def _unwrapped(expr: ast.AST) -> ast.AST:
@@ -512,10 +515,10 @@ def _sized_by(stmt: ast.stmt, name: str, assignments: dict) -> bool:
         node = stack.pop()
         if isinstance(node, conditional):
             continue
-        if _split_at_host_sizes(node, assignments):
-            sizes = [*node.args[1:2], *node.args[:1], *(k.value for k in node.keywords)]
-            if any(isinstance(_unwrapped(size), ast.Name) and _unwrapped(size).id == name for size in sizes):
-                return True
+        if _split_at_host_sizes(node, assignments) and any(
+                isinstance(_unwrapped(size), ast.Name) and _unwrapped(size).id == name
+                for size in _split_sizes_arguments(node)):
+            return True
         stack.extend(ast.iter_child_nodes(node))
     return False
 
