@@ -116,6 +116,7 @@ from .source_ast import (
     defining_bindings,
     function_source,
     loop_index,
+    namespace_of,
     number_read,
     skip_test,
     span,
@@ -1061,6 +1062,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
     fn_def, filename = function_source(fn)
     link_parents(fn_def)
     assignments = bindings(fn_def)
+    namespace = namespace_of(fn)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     loops, guards, captures, kept, count_loops, lists, selecting, fixed = [], [], False, [], [], [], [], []
     present: list[PresentLoop] = []
@@ -1074,7 +1076,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             selected = {n for stmt in node.body for n in _rows_names(stmt, None, "")}
             lists.extend(list_indices(node, selected))
         try:
-            counted = count_loop(node, assignments, fn_def)
+            counted = count_loop(node, assignments, fn_def, namespace)
             if counted is None and (over_offsets := offset_loop(node, assignments, fn_def)) is not None:
                 counted = over_offsets[0]
                 fixed.extend(over_offsets[1:2] if over_offsets[1] is not None else [])

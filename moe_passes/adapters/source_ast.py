@@ -33,6 +33,20 @@ def function_source(fn) -> tuple[ast.FunctionDef, str]:
     return fn_def, filename
 
 
+def namespace_of(fn) -> dict[str, object]:
+    """What the free names of `fn` stand for now: its module's globals, overlaid by its closure's cells
+    (an empty cell, a name not yet bound, is left out). A decorated function's are those of the function
+    it wraps, whose source `function_source` reads."""
+    fn = inspect.unwrap(fn)
+    found = dict(getattr(fn, "__globals__", {}))
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:
+            found.pop(name, None)
+    return found
+
+
 def walk_function(fn_def: ast.FunctionDef):
     """Nodes of the function body, not descending into nested functions, lambdas or classes."""
     stack = list(fn_def.body)
