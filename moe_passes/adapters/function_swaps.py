@@ -11,7 +11,10 @@ traces the function's code one call deeper. It stays once set (dynamo guards on 
 compile, it made every call recompile), until the function's `__code__`, `__defaults__` or
 `__kwdefaults__` is replaced: the next trace that reaches the dispatcher then takes it off for good and
 has dynamo start that frame again, so that every backend, hpu_moe included, traces the function as it
-now is (as written: it is not adapted again).
+now is (as written: it is not adapted again). A frame compiled before such a change is not traced again:
+dynamo guards the dispatcher's code and closure, and any read of the function inside the dispatcher gives
+the dispatcher (dynamo wraps a function as its `_torchdynamo_inline`), so no guard on the function's own
+`__code__` or `__defaults__` can be built from here; `torch._dynamo.reset()` clears such frames.
 """
 
 from __future__ import annotations
