@@ -338,12 +338,15 @@ class _Callees:
     def __init__(self, fn_def: ast.FunctionDef | ast.Lambda, assignments: dict, namespace: Mapping[str, object],
                  depth: int = 0):
         self.fn_def, self.assignments, self.namespace, self.depth = fn_def, assignments, namespace, depth
-        self.nested = {n.name: n for n in walk_function(fn_def) if isinstance(n, ast.FunctionDef)} if isinstance(
-            fn_def, ast.FunctionDef) else {}
+        self.nested: dict[str, list[ast.FunctionDef]] = {}  # functions defined inside, at any depth
+        for node in ast.walk(fn_def):
+            if isinstance(node, ast.FunctionDef) and node is not fn_def:
+                self.nested.setdefault(node.name, []).append(node)
 
     def dropping(self, name: str) -> str | None:
         if name in self.nested:
-            return self._body_dropping(name, self.nested[name], self.namespace)
+            found = (self._body_dropping(name, nested, self.namespace) for nested in self.nested[name])
+            return next(filter(None, found), None)
         if name in self.assignments:
             return self._local_dropping(name)
         if name in self.namespace:
