@@ -330,7 +330,29 @@ class ScatterReduceOffsets(CountLoopMoE):
         return out
 
 
-@pytest.mark.parametrize("cls", [OffsetLoopMoE, ScatterReduceOffsets], ids=lambda c: c.__name__)
+class RecastsTheAccumulator(CountLoopMoE):
+    """DiT-MoE's `moe_infer`: the accumulator, made in float64, re-cast to the experts' dtype in the loop."""
+
+    def segments(self, hidden_states, ids, weights):
+        flat_ids = ids.view(-1)
+        out = torch.zeros_like(hidden_states, dtype=torch.float64)
+        order = flat_ids.argsort()
+        offsets = flat_ids.bincount().cpu().numpy().cumsum(0)
+        token_of = order // ids.shape[1]
+        for i, end in enumerate(offsets):
+            start = 0 if i == 0 else offsets[i - 1]
+            if start == end:
+                continue
+            rows = token_of[start:end]
+            y = self.experts[i](hidden_states[rows])
+            y.mul_(weights.view(-1, 1)[order[start:end]])
+            out = out.to(y.dtype)
+            out.scatter_reduce_(0, rows.view(-1, 1).repeat(1, hidden_states.shape[-1]), y, reduce="sum")
+        return out
+
+
+@pytest.mark.parametrize("cls", [OffsetLoopMoE, ScatterReduceOffsets, RecastsTheAccumulator],
+                         ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
     "overrides", [{}, dict(tokens=1, num_experts=8), dict(top_k=1)], ids=["default", "one_token", "top1"]
 )

@@ -620,6 +620,8 @@ def offset_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> tu
     body = loop.body[:guard] + loop.body[guard + 1:]
     bound, cut, accumulations = {index, end}, set(), []
     for stmt in body:
+        if _recasts_outer(stmt, bound):
+            continue  # `acc = acc.to(out.dtype)`: see _recasts_outer
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
             names = stored_names(stmt.targets[0])
             if {offsets, index, end} & set(names):
@@ -654,6 +656,25 @@ def offset_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> tu
 
 
 _IN_PLACE = {"mul_", "div_", "add_", "sub_", "copy_", "clamp_"}
+
+
+def _recasts_outer(stmt: ast.stmt, bound: set[str]) -> bool:
+    """`acc = acc.to(out.dtype)` (or `dtype=`) of a tensor defined before the loop (DiT-MoE re-casts its
+    accumulator to the experts' output dtype under autocast). Running it for an expert with no rows as
+    well is exact: a dtype does not depend on the rows, the experts of a layer give one dtype (the
+    premise, with "rows to rows", under which the experts' loops are read), so after the first cast
+    each is a no-op, and before the first expert with rows nothing else has touched the accumulator
+    (what an empty expert would accumulate is nothing): it is cast from the same value either way."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    name, value = stmt.targets[0].id, stmt.value
+    if name in bound or call_name(value) != "to" or not isinstance(value.func, ast.Attribute):
+        return False
+    receiver = value.func.value
+    arguments = list(value.args) + [k.value for k in value.keywords if k.arg == "dtype"]
+    return (isinstance(receiver, ast.Name) and receiver.id == name and len(arguments) == 1
+            and len(value.args) + len(value.keywords) == 1
+            and isinstance(arguments[0], ast.Attribute) and arguments[0].attr == "dtype")
 
 
 def _cumsum_operand(offsets: str, assignments: dict) -> ast.AST | None:
