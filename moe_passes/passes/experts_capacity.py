@@ -40,8 +40,9 @@ aten = torch.ops.aten
 FORM = "capacity_dispatch"
 DROPS = (
     "capacity-limited dispatch ([tokens, experts, capacity] dispatch and combine tensors, GShard / DeepSpeed "
-    "style): tokens past an expert's capacity are dropped from it, and the fused kernel computes every routed "
-    "token"
+    "style), capacity {capacity} for {tokens} tokens: tokens past an expert's capacity are dropped from it, and "
+    "nothing in this graph shows the capacity at least every expert's count (one computed in another graph or "
+    "read on the host is a constant here); the fused kernel computes every routed token"
 )
 AT_LEAST_TOKENS = (
     "capacity-limited dispatch ([tokens, experts, capacity] tensors) whose capacity is at least the token count"
@@ -127,7 +128,7 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     combine, outputs = found
     tokens, _, capacity = shape(combine)[-3:]
     if not statically_known_true(capacity >= tokens):
-        return Decline(FORM, DROPS, _top(anchor))
+        return Decline(FORM, DROPS.format(capacity=capacity, tokens=tokens), _top(anchor))
     if len(shape(combine)) == 4:
         return Decline(FORM, f"{AT_LEAST_TOKENS}, dispatched in groups ([groups, tokens, experts, capacity])",
                        _top(anchor))
