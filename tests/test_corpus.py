@@ -39,7 +39,7 @@ OUTCOMES = {
     "esft_deepseek_moe": "fused",
     "fairscale_moe": "declined",
     "fairseq_moe": "declined",
-    "feizc_dit_moe": "declined",
+    "feizc_dit_moe": "fused",
     "gpt_oss_torch_reference": "fused",
     "grok1_moe": "declined",
     "hunyuan_a13b_moe": "declined",

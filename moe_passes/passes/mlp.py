@@ -153,14 +153,87 @@ class Projection:
 
 
 def projection(node: Node) -> Projection | None:
-    """Match a bias-free linear layer on 2-D (or flattened) input: mm(x, t(W)) or mm(x, W)."""
+    """Match a bias-free linear layer on 2-D (or flattened) input: mm(x, t(W)) or mm(x, W), or x @ W.T
+    written in slices of W (see _sliced_projection)."""
     node = strip_shape_ops(node)
     if not is_call(node, aten.mm.default):
-        return None
+        return _sliced_projection(node)
     x, w = node.args
     if is_call(w, *TRANSPOSE_OPS) and _is_2d_swap(w):
         return Projection(strip_shape_ops(x), w.args[0], True)
     return Projection(strip_shape_ops(x), w, False)
+
+
+def _sliced_projection(node: Node) -> Projection | None:
+    """x @ W.T written in slices of W (LLaMA's `pretraining_tp > 1`, which DiT-MoE's experts keep): the
+    columns `cat([x @ W_i.T for W_i in W.split(s, 0)], -1)` in order, or the sum `sum(x_i @ W_i.T)` over
+    x.split(s, -1) and W.split(s, 1) paired by index. Both are x @ W.T (the sum up to the order in which
+    floats are added, as any matmul kernel chooses)."""
+    if is_call(node, aten.cat.default) and len(node.args[0]) > 1:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        reads = [_plain_projection(piece) for piece in node.args[0]]
+        if not isinstance(dim, int) or dim % len(shape(node) or (0,)) != len(shape(node) or (0,)) - 1:
+            return None
+        if any(r is None or not r.out_in for r in reads) or len({r.input for r in reads}) != 1:
+            return None
+        weights = [_piece(r.weight) for r in reads]
+        if any(w is None for w in weights) or len({(w[0], w[1], w[3]) for w in weights}) != 1:
+            return None
+        source, split_dim, _, count = weights[0]
+        if split_dim != 0 or count != len(reads) or [w[2] for w in weights] != list(range(count)):
+            return None
+        return Projection(reads[0].input, source, True)
+    terms = _summed_terms(node)
+    if terms is None or len(terms) < 2:
+        return None
+    reads = [_plain_projection(term) for term in terms]
+    if any(r is None or not r.out_in for r in reads):
+        return None
+    inputs, weights = [_piece(r.input) for r in reads], [_piece(r.weight) for r in reads]
+    if any(p is None for p in inputs + weights):
+        return None
+    if len({(p[0], p[1], p[3]) for p in inputs}) != 1 or len({(p[0], p[1], p[3]) for p in weights}) != 1:
+        return None
+    (x, x_dim, _, count), (w, w_dim, _, _) = inputs[0], weights[0]
+    paired = [a[2] for a in inputs] == [b[2] for b in weights] and sorted(a[2] for a in inputs) == list(range(count))
+    if not paired or count != len(reads) or x_dim != len(shape(x)) - 1 or w_dim != 1 or len(shape(w)) != 2:
+        return None
+    return Projection(x, w, True)
+
+
+def _plain_projection(node: Node) -> Projection | None:
+    node = strip_shape_ops(node)
+    return projection(node) if is_call(node, aten.mm.default) else None
+
+
+def _piece(node: Node) -> tuple[Node, int, int, int] | None:
+    """(source, dim, index, number of pieces) for `split(source, size, dim)[index]`."""
+    if not is_getitem(node):
+        return None
+    split, index = node.args
+    if not is_call(split, aten.split.Tensor, aten.split_with_sizes.default) or not isinstance(index, int):
+        return None
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    pieces, rank = split.meta.get("val"), len(shape(split.args[0]) or ())
+    if not isinstance(pieces, list | tuple) or not isinstance(dim, int) or not rank:
+        return None
+    return split.args[0], dim % rank, index, len(pieces)
+
+
+def _summed_terms(node: Node) -> list[Node] | None:
+    """The tensors an `add` chain sums (Python's `sum(list)` starts at 0: a literal 0 is left out)."""
+    if not is_call(node, aten.add.Tensor) or node.kwargs.get("alpha", 1) != 1:
+        return [node]
+    terms = []
+    for operand in node.args[:2]:
+        if isinstance(operand, Node):
+            inner = _summed_terms(operand)
+            if inner is None:
+                return None
+            terms.extend(inner)
+        elif operand != 0:
+            return None
+    return terms
 
 
 def _is_2d_swap(node: Node) -> bool:
