@@ -26,14 +26,11 @@ read as numbers or handed to a submodule that does (`.tolist()` split sizes, Ari
 from __future__ import annotations
 
 import ast
-import builtins
 import dataclasses
-import functools
 import types
 from collections.abc import Mapping
 
-import torch
-
+from .row_maps import Callees, row_dropping
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
@@ -42,7 +39,6 @@ from .source_ast import (
     defining_bindings,
     function_source,
     loads,
-    namespace_of,
     number_read,
     skip_test,
     span,
@@ -216,11 +212,11 @@ class CountLoop:
     bounds: frozenset[str]  # the offset names its slices are cut at (read as numbers when traced)
 
 
-def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namespace: Mapping[str, object] = {}
-               ) -> CountLoop | None:
+def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namespace: Mapping[str, object] = {},
+               owner: type | None = None) -> CountLoop | None:
     """The loop as a CountLoop when its guard is proved removable, None when it is not a loop over
     counts with such a guard; NotAdaptable names what stops the proof. `namespace` (the function's globals
-    and closure) tells what a call by a bare name stands for."""
+    and closure) and `owner` (the class of a method) tell what the calls in the loop stand for."""
     n = _count_variable(loop)
     counts = _counts_iterated(loop)
     if n is None or not isinstance(counts, ast.Name) or not is_count(counts, assignments):
@@ -258,8 +254,8 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
                 "running offset and offset + count"
             )
-        callees = _Callees(fn_def, assignments, namespace)
-        dropping = next(filter(None, (_row_dropping(source, callees) for source in sources)), None)
+        callees = Callees(fn_def, namespace, owner)
+        dropping = next(filter(None, (row_dropping(source, callees) for source in sources)), None)
         if dropping is not None:
             raise NotAdaptable(
                 f"line {line}: what is appended to {listed} goes through {dropping}, which may leave a value "
@@ -268,167 +264,6 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
             )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
     return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends))
-
-
-# Why removing the skip is exact: with no rows, a value computed row by row from the cut has no rows
-# either, and `torch.cat` adds nothing for it. These ops can break that: reductions (a sum over no rows is
-# zeros, a mean NaN) unless over a later dim, and ops that move the rows off dim 0. Module calls (the
-# experts) are taken to map rows to rows, as every MLP does.
-_REDUCTIONS = frozenset({
-    "sum", "mean", "prod", "max", "min", "amax", "amin", "aminmax", "std", "var", "std_mean", "var_mean",
-    "norm", "logsumexp", "any", "all", "argmax", "argmin", "median", "nanmedian", "nanmean", "nansum",
-    "mode", "kthvalue", "quantile", "nanquantile", "count_nonzero", "vector_norm", "matrix_norm",
-})
-_MOVES_ROWS = frozenset({"einsum", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "pad", "cat", "concat",
-                         "concatenate"})
-_TRANSPOSED = frozenset({"T", "mT", "H", "mH"})
-_MADE = frozenset({"ones", "zeros", "full", "eye", "rand", "randn", "empty", "tensor", "ones_like", "zeros_like",
-                   "full_like", "new_ones", "new_zeros", "new_full", "new_tensor"})
-
-
-def _row_dropping(value: ast.AST, callees: _Callees) -> str | None:
-    """The first op in `value` that may leave rows where its input has none (see above), named, or None."""
-    for node in ast.walk(value):
-        if isinstance(node, ast.Attribute) and node.attr in _TRANSPOSED:
-            return f"`.{node.attr}`"
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and call_name(node.left) in _MADE:
-            return "`@`"  # `ones(1, n) @ y`: a sum over the rows, one row even for none
-        if isinstance(node, ast.Subscript):
-            first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) and node.slice.elts else node.slice
-            if isinstance(first, ast.Constant) and first.value is None:
-                return "`[None]`"  # a new leading dim
-        name = call_name(node)
-        if name is None or not isinstance(node, ast.Call):
-            continue
-        if isinstance(node.func, ast.Name):
-            if (found := callees.dropping(name)) is not None:
-                return found
-            continue
-        if (found := _op_dropping(name, _dim_arguments(node), node.args)) is not None:
-            return f"`{found}`"
-    return None
-
-
-def _op_dropping(name: str, dims: list[ast.expr], args: list[ast.expr]) -> str | None:
-    """`name` when a tensor op of that name, with these dim arguments, may leave rows where its input has none."""
-    if name in _MOVES_ROWS:
-        return name
-    if name in ("view", "reshape") and args and isinstance(args[0], ast.Constant) and args[0].value != -1:
-        return name  # `view(1, -1, h)`: the rows off dim 0
-    if name in _REDUCTIONS and not _all_later(dims):
-        return name
-    if name in ("transpose", "swapdims") and not (len(dims) == 2 and _all_later(dims)):
-        return name
-    if name == "permute" and not (dims and isinstance(dims[0], ast.Constant) and dims[0].value == 0):
-        return name
-    if name in ("unsqueeze", "stack") and not _all_later(dims[:1]):
-        return name
-    return None
-
-
-class _Callees:
-    """What a call by a bare name in the loop stands for, as far as rows go. Trusted to map rows to rows:
-    a module (the experts' premise, as for `self.experts[i](...)`: a local bound to an attribute or an item
-    of one, a loop variable over one, a module made in the function), a Python builtin (`min(end, total)` of
-    offsets), and a function or lambda whose own body has no op that may drop rows (read the same way, a
-    few calls deep). Anything else (a parameter, a callable read from elsewhere, a torch reduction imported
-    by name, a function without source) keeps the skip: a helper that pools an expert's rows would append
-    a value where the skip appended none (a review's wrong output)."""
-
-    def __init__(self, fn_def: ast.FunctionDef | ast.Lambda, assignments: dict, namespace: Mapping[str, object],
-                 depth: int = 0):
-        self.fn_def, self.assignments, self.namespace, self.depth = fn_def, assignments, namespace, depth
-        self.nested: dict[str, list[ast.FunctionDef]] = {}  # functions defined inside, at any depth
-        for node in ast.walk(fn_def):
-            if isinstance(node, ast.FunctionDef) and node is not fn_def:
-                self.nested.setdefault(node.name, []).append(node)
-
-    def dropping(self, name: str) -> str | None:
-        if name in self.nested:
-            found = (self._body_dropping(name, nested, self.namespace) for nested in self.nested[name])
-            return next(filter(None, found), None)
-        if name in self.assignments:
-            return self._local_dropping(name)
-        if name in self.namespace:
-            return self._object_dropping(name, self.namespace[name])
-        if isinstance(getattr(builtins, name, None), types.BuiltinFunctionType | type):
-            return None
-        return f"`{name}`, which is not known here"
-
-    def _local_dropping(self, name: str) -> str | None:
-        for binding in self.assignments[name]:
-            value = binding.value if isinstance(binding, ast.Assign) and len(binding.targets) == 1 else None
-            if isinstance(value, ast.Lambda):
-                found = self._body_dropping(name, value, self.namespace)
-            elif isinstance(value, ast.Attribute | ast.Subscript) or isinstance(binding, ast.For) and any(
-                    isinstance(n, ast.Attribute) for n in ast.walk(binding.iter)):
-                found = None  # `expert = self.experts[i]`, `for expert in self.experts`: as `self.experts[i](x)`
-            elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name | ast.Attribute) and _is_module_class(
-                    self._resolved(value.func)):
-                found = None  # `act = SiluAndMul()` (SGLang): a module made in the function
-            else:
-                found = f"`{name}`, a local whose callee is not known here"
-            if found is not None:
-                return found
-        return None
-
-    def _resolved(self, expr: ast.expr) -> object:
-        """The object a name or a dotted name of the namespace stands for (None when not found)."""
-        if isinstance(expr, ast.Name):
-            return self.namespace.get(expr.id)
-        if isinstance(expr, ast.Attribute):
-            return getattr(self._resolved(expr.value), expr.attr, None)
-        return None
-
-    def _object_dropping(self, name: str, obj: object) -> str | None:
-        if isinstance(obj, functools.partial):
-            obj = obj.func
-        if isinstance(obj, torch.nn.Module) or _is_module_class(obj):
-            return None
-        if getattr(builtins, name, None) is obj:
-            return None
-        if any(getattr(owner, getattr(obj, "__name__", ""), None) is obj for owner in (torch, torch.nn.functional)):
-            found = _op_dropping(obj.__name__, [], [])
-            return f"`{name}` (torch's `{found}`)" if found is not None else None
-        if isinstance(obj, types.FunctionType) and self.depth < 3:
-            try:
-                callee_def, _ = function_source(obj)
-            except NotAdaptable:
-                return f"`{name}`, whose source cannot be read"
-            return self._body_dropping(name, callee_def, namespace_of(obj))
-        return f"`{name}`, which is not known here"
-
-    def _body_dropping(self, name: str, definition: ast.FunctionDef | ast.Lambda, namespace) -> str | None:
-        if self.depth >= 3:
-            return f"`{name}`, a call too deep to read"
-        inner = _Callees(definition, bindings(definition) if isinstance(definition, ast.FunctionDef) else {},
-                         namespace, self.depth + 1)
-        body = definition.body if isinstance(definition, ast.FunctionDef) else [definition.body]
-        found = next(filter(None, (_row_dropping(stmt, inner) for stmt in body)), None)
-        return f"`{name}` ({found} in its body)" if found is not None else None
-
-
-def _is_module_class(obj: object) -> bool:
-    return isinstance(obj, type) and issubclass(obj, torch.nn.Module)
-
-
-def _dim_arguments(call: ast.Call) -> list[ast.expr]:
-    """The dim arguments of a torch call, spelled as a method (`x.sum(1)`) or a function (`torch.sum(x, 1)`)."""
-    func = call.func
-    function = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in ("torch", "F")
-    positional = list(call.args[1:] if function else call.args)  # torch.stack(tensors, dim) too
-    if call_name(call) == "permute" and len(positional) == 1 and isinstance(positional[0], ast.Tuple | ast.List):
-        positional = list(positional[0].elts)
-    keywords = [k.value for k in call.keywords if k.arg in ("dim", "dim0", "dim1", "dims", "axis")]
-    found = positional + keywords
-    if len(found) == 1 and isinstance(found[0], ast.Tuple | ast.List):
-        return list(found[0].elts)
-    return found
-
-
-def _all_later(dims: list[ast.expr]) -> bool:
-    """Every dim is a literal int >= 1 (a negative one may be dim 0 of a 1-D value); none given is False."""
-    return bool(dims) and all(isinstance(d, ast.Constant) and type(d.value) is int and d.value >= 1 for d in dims)
 
 
 def _guard_index(body: list[ast.stmt], n: str) -> int | None:

@@ -1051,7 +1051,7 @@ class Plan:
         )
 
 
-def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
+def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     """Every expert loop of `fn`: hit loops proved equivalent to loops over all experts, emptiness
     guards proved removable, and whether data-dependent shapes must be captured.
 
@@ -1076,7 +1076,7 @@ def analyse(fn) -> tuple[ast.FunctionDef, str, Plan]:
             selected = {n for stmt in node.body for n in _rows_names(stmt, None, "")}
             lists.extend(list_indices(node, selected))
         try:
-            counted = count_loop(node, assignments, fn_def, namespace)
+            counted = count_loop(node, assignments, fn_def, namespace, owner)
             if counted is None and (over_offsets := offset_loop(node, assignments, fn_def)) is not None:
                 counted = over_offsets[0]
                 fixed.extend(over_offsets[1:2] if over_offsets[1] is not None else [])
@@ -2155,7 +2155,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
         if inner is None and getattr(fn, "__wrapped__", None) is not None:
             raise NotAdaptable(f"{name} is wrapped by a decorator")
         target = inner or fn
-        fn_def, filename, plan = analyse(target)
+        fn_def, filename, plan = analyse(target, cls)
         this = _instance_name(fn_def)
         called = {_held_call(node, this) for node in walk_function(fn_def)}
         plan = dataclasses.replace(plan, held={a: pair for a, pair in held.items() if a in called})

@@ -1,0 +1,312 @@
+"""Whether a value computed from an expert's rows has no rows when those rows are none.
+
+Removing an `if n == 0: continue` skip (adapters/count_loops.py) is exact when what the loop appends for
+an expert with no rows has no rows either: `torch.cat` then adds nothing for it. Ops that can break that:
+reductions (a sum over no rows is zeros, a mean NaN) unless over a later dim, and ops that move the rows
+off dim 0. Modules (the experts) are taken to map rows to rows, as every MLP does; any other call is read
+where its code can be found (a function's body, a few calls deep), and anything that cannot be read keeps
+the skip, named.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import inspect
+import types
+from collections.abc import Mapping
+
+import torch
+
+from .source_ast import NotAdaptable, call_name, function_source, namespace_of
+
+_REDUCTIONS = frozenset({
+    "sum", "mean", "prod", "max", "min", "amax", "amin", "aminmax", "std", "var", "std_mean", "var_mean",
+    "norm", "logsumexp", "any", "all", "argmax", "argmin", "median", "nanmedian", "nanmean", "nansum",
+    "mode", "kthvalue", "quantile", "nanquantile", "count_nonzero", "vector_norm", "matrix_norm",
+})
+_MOVES_ROWS = frozenset({"einsum", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "pad", "cat", "concat",
+                         "concatenate"})
+_TRANSPOSED = frozenset({"T", "mT", "H", "mH"})
+_MADE = frozenset({"ones", "zeros", "full", "eye", "rand", "randn", "empty", "tensor", "ones_like", "zeros_like",
+                   "full_like", "new_ones", "new_zeros", "new_full", "new_tensor"})
+_MATMULS = frozenset({"matmul", "mm", "bmm"})
+# Builtins that reduce or walk their argument's rows (`sum(y)`, `next(iter(y))`) or look up a callee
+# (`getattr(torch, name)`); others (`min(end, total)` of offsets, `len`, `int`) are trusted
+_ROW_BUILTINS = frozenset({"sum", "next", "iter", "getattr", "map", "filter", "reversed", "sorted"})
+_DEPTH = 3
+
+
+def row_dropping(value: ast.AST, callees: Callees) -> str | None:
+    """The first op in `value` that may leave rows where its input has none, named, or None."""
+    for node in ast.walk(value):
+        if isinstance(node, ast.Attribute) and node.attr in _TRANSPOSED:
+            return f"`.{node.attr}`"
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and callees.made(node.left):
+            return "`@`"  # `ones(1, n) @ y`: a sum over the rows, one row even for none
+        if isinstance(node, ast.Subscript):
+            first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) and node.slice.elts else node.slice
+            if isinstance(first, ast.Constant) and first.value is None:
+                return "`[None]`"  # a new leading dim
+        if isinstance(node, ast.Call) and (found := callees.call_dropping(node)) is not None:
+            return found
+    return None
+
+
+def _op_dropping(name: str, call: ast.Call | None, made=lambda expr: call_name(expr) in _MADE) -> str | None:
+    """`name` when a tensor op of that name (called as `call`, read for its dims) may leave rows where its
+    input has none; `made` tells a tensor made in the function (`ones(1, n)`, or a name bound to one)."""
+    dims, args = (_dim_arguments(call), call.args) if call is not None else ([], [])
+    if name in _MOVES_ROWS:
+        return name
+    if name in _MATMULS and (call is None or (args and made(args[0]))):
+        return name  # `matmul(ones(1, n), y)`
+    if name in ("view", "reshape") and args and isinstance(args[0], ast.Constant) and args[0].value != -1:
+        return name  # `view(1, -1, h)`: the rows off dim 0
+    if name in _REDUCTIONS and not _all_later(dims):
+        return name
+    if name in ("transpose", "swapdims") and not (len(dims) == 2 and _all_later(dims)):
+        return name
+    if name == "permute" and not (dims and isinstance(dims[0], ast.Constant) and dims[0].value == 0):
+        return name
+    if name in ("unsqueeze", "stack") and not _all_later(dims[:1]):
+        return name
+    return None
+
+
+def _dim_arguments(call: ast.Call) -> list[ast.expr]:
+    """The dim arguments of a torch call, spelled as a method (`x.sum(1)`) or a function (`torch.sum(x, 1)`)."""
+    func = call.func
+    function = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in ("torch", "F")
+    function = function or isinstance(func, ast.Name)  # `mean(y, 0)` imported from torch
+    positional = list(call.args[1:] if function else call.args)  # torch.stack(tensors, dim) too
+    if call_name(call) == "permute" and len(positional) == 1 and isinstance(positional[0], ast.Tuple | ast.List):
+        positional = list(positional[0].elts)
+    keywords = [k.value for k in call.keywords if k.arg in ("dim", "dim0", "dim1", "dims", "axis")]
+    found = positional + keywords
+    if len(found) == 1 and isinstance(found[0], ast.Tuple | ast.List):
+        return list(found[0].elts)
+    return found
+
+
+def _all_later(dims: list[ast.expr]) -> bool:
+    """Every dim is a literal int >= 1 (a negative one may be dim 0 of a 1-D value); none given is False."""
+    return bool(dims) and all(isinstance(d, ast.Constant) and type(d.value) is int and d.value >= 1 for d in dims)
+
+
+def _root(expr: ast.AST) -> ast.AST:
+    """`a` of `a.b[i].c`."""
+    while isinstance(expr, ast.Attribute | ast.Subscript):
+        expr = expr.value
+    return expr
+
+
+def _torch_namespace(obj: object) -> bool:
+    return isinstance(obj, types.ModuleType) and (obj.__name__ == "torch" or obj.__name__.startswith("torch."))
+
+
+def _is_module_class(obj: object) -> bool:
+    return isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+
+
+class Callees:
+    """What the calls of a function stand for, as far as rows go, resolved with the function's scoping:
+    its parameters, imports and other local bindings shadow the module's globals and closure (`namespace`).
+
+    Trusted to map rows to rows: a module (the experts' premise, as for `self.experts[i](...)`: an
+    attribute of the instance or an item of one, a local bound to such, a loop variable over one, a
+    module made in the function, an `nn.Module` of the namespace), a builtin other than those in
+    _ROW_BUILTINS, a torch op its name and dims show keeps rows, a tensor method likewise, and a
+    function, method of `owner` or lambda whose own body has no op that may drop rows (read the same way,
+    a few calls deep). Anything else keeps the skip: a parameter, a callee read from elsewhere, a
+    decorated function (its source is the wrapped one), a lambda defined elsewhere, a function without
+    readable source."""
+
+    def __init__(self, fn_def: ast.FunctionDef | ast.Lambda, namespace: Mapping[str, object],
+                 owner: type | None = None, depth: int = 0, instance: bool = True):
+        self.fn_def, self.namespace, self.owner, self.depth = fn_def, namespace, owner, depth
+        arguments = fn_def.args
+        params = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+        params += [a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None]
+        # the first parameter of a method, or of a module function handed the layer (SGLang's
+        # `moe_forward_native(layer, ...)`): calls through it are the layer's submodules
+        self.this = params[0] if instance and params else None
+        self.params = set(params) - {self.this}
+        self.local: dict[str, list[ast.AST]] = {}  # name -> the nodes of this scope that bind it
+        self.globals: set[str] = set()
+        body = fn_def.body if isinstance(fn_def, ast.FunctionDef) else [fn_def.body]
+        for node in _own_scope(body):
+            for name, binding in _bound_by(node):
+                self.local.setdefault(name, []).append(binding)
+            if isinstance(node, ast.Global):
+                self.globals.update(node.names)
+
+    def call_dropping(self, call: ast.Call) -> str | None:
+        func = call.func
+        if isinstance(func, ast.Name):
+            return self.name_dropping(func.id, call)
+        if isinstance(func, ast.Subscript):
+            return None if self._of_instance(func) else f"`{ast.unparse(func)[:40]}`, whose callee is not known here"
+        if not isinstance(func, ast.Attribute):
+            return f"`{ast.unparse(func)[:40]}`, whose callee is not known here"
+        root = _root(func)
+        if self._of_instance(func):
+            if isinstance(func.value, ast.Name) and self.owner is not None:
+                return self._method_dropping(func.attr)
+            return None  # `self.experts[i].forward(x)`, `self.shared.act(x)`: submodules
+        if isinstance(root, ast.Name) and root.id not in self.local and root.id not in self.params:
+            resolved = self._resolved(func.value)
+            if resolved is not _UNKNOWN and not _torch_namespace(resolved) and resolved is not torch.Tensor:
+                obj = getattr(resolved, func.attr, _UNKNOWN)  # `helpers.pool(y)`, `Pool.apply(y)`
+                if obj is not _UNKNOWN:
+                    return self._object_dropping(ast.unparse(func), inspect.getattr_static(resolved, func.attr, obj))
+        found = _op_dropping(func.attr, call, self.made)  # a torch function or a tensor method (`y.mean(0)`)
+        return f"`{found}`" if found is not None else None
+
+    def made(self, expr: ast.AST) -> bool:
+        """`expr` is a tensor made in the function (`ones(1, n)`, or a name some binding of which is one)."""
+        if isinstance(expr, ast.Name) and expr.id in self.local:
+            return any(isinstance(b, ast.Assign) and call_name(b.value) in _MADE for b in self.local[expr.id])
+        return call_name(expr) in _MADE
+
+    def name_dropping(self, name: str, call: ast.Call | None = None) -> str | None:
+        if name in self.params:
+            return f"`{name}`, a parameter, which is not known here"
+        if name in self.local and name not in self.globals:
+            found = (self._binding_dropping(name, binding) for binding in self.local[name])
+            return next(filter(None, found), None)
+        if name in self.namespace:
+            return self._object_dropping(name, self.namespace[name], call)
+        if isinstance(getattr(builtins, name, None), types.BuiltinFunctionType | type):
+            return f"`{name}`" if name in _ROW_BUILTINS else None
+        return f"`{name}`, which is not known here"
+
+    def _of_instance(self, expr: ast.AST) -> bool:
+        root = _root(expr)
+        return self.this is not None and isinstance(root, ast.Name) and root.id == self.this
+
+    def _binding_dropping(self, name: str, binding: ast.AST) -> str | None:
+        if isinstance(binding, ast.FunctionDef):
+            return self._body_dropping(name, binding, self.namespace)
+        if isinstance(binding, ast.For):  # `for expert in self.experts`: an item of the instance's
+            iterated = [n for n in ast.walk(binding.iter) if isinstance(n, ast.Attribute)]
+            if iterated and all(self._of_instance(n) for n in iterated):
+                return None
+            return f"`{name}`, a loop variable whose callee is not known here"
+        value = binding.value if isinstance(binding, ast.Assign) and len(binding.targets) == 1 else None
+        if isinstance(value, ast.Lambda):
+            return self._body_dropping(name, value, self.namespace)
+        if isinstance(value, ast.Attribute | ast.Subscript) and self._of_instance(value):
+            return None  # `expert = self.experts[i]`: as `self.experts[i](x)`
+        if isinstance(value, ast.Name):
+            return self.name_dropping(value.id)  # `act = F.silu` spelled through another name
+        if isinstance(value, ast.Attribute) and not isinstance(_root(value), ast.Name | ast.Attribute):
+            return f"`{name}`, a local whose callee is not known here"
+        if isinstance(value, ast.Attribute) and (resolved := self._resolved(value)) is not _UNKNOWN:
+            return self._object_dropping(name, resolved)  # `pool = torch.mean`
+        if isinstance(value, ast.Call) and _is_module_class(self._resolved(value.func)):
+            return None  # `act = SiluAndMul()` (SGLang): a module made in the function
+        return f"`{name}`, a local whose callee is not known here"
+
+    def _resolved(self, expr: ast.expr) -> object:
+        """The object a global name or a dotted name of the namespace stands for (_UNKNOWN otherwise)."""
+        if isinstance(expr, ast.Name):
+            if expr.id in self.params or (expr.id in self.local and expr.id not in self.globals):
+                return _UNKNOWN
+            return self.namespace.get(expr.id, _UNKNOWN)
+        if isinstance(expr, ast.Attribute):
+            owner = self._resolved(expr.value)
+            return _UNKNOWN if owner is _UNKNOWN else getattr(owner, expr.attr, _UNKNOWN)
+        return _UNKNOWN
+
+    def _method_dropping(self, attr: str) -> str | None:
+        """`self.attr(...)`: a method of the class is read; an attribute the class does not define is the
+        instance's (a submodule set in `__init__`: the module premise)."""
+        found = inspect.getattr_static(self.owner, attr, _UNKNOWN)
+        if found is _UNKNOWN or isinstance(found, torch.nn.Module):
+            return None
+        if isinstance(found, staticmethod):
+            return self._object_dropping(f"self.{attr}", found.__func__)
+        if isinstance(found, types.FunctionType):
+            return self._function_dropping(f"self.{attr}", found, method=True)
+        return f"`self.{attr}`, whose callee is not known here"
+
+    def _object_dropping(self, name: str, obj: object, call: ast.Call | None = None) -> str | None:
+        if isinstance(obj, staticmethod | classmethod):
+            obj = obj.__func__
+        if isinstance(obj, functools.partial):
+            obj, call = obj.func, None
+        if isinstance(obj, torch.nn.Module) or _is_module_class(obj):
+            return None
+        if getattr(builtins, getattr(obj, "__name__", ""), None) is obj:
+            return f"`{name}`" if obj.__name__ in _ROW_BUILTINS else None
+        if any(getattr(owner, getattr(obj, "__name__", ""), None) is obj for owner in (torch, torch.nn.functional)):
+            found = _op_dropping(obj.__name__, call)
+            return f"`{name}` (torch's `{found}`)" if found is not None else None
+        if isinstance(obj, types.FunctionType):
+            return self._function_dropping(name, obj)
+        return f"`{name}`, which is not known here"
+
+    def _function_dropping(self, name: str, fn: types.FunctionType, method: bool = False) -> str | None:
+        if getattr(fn, "__wrapped__", None) is not None:
+            return f"`{name}`, a decorated function, whose wrapper is not read"
+        if fn.__name__ == "<lambda>":
+            return f"`{name}`, a lambda defined elsewhere, which is not read"
+        if self.depth >= _DEPTH:
+            return f"`{name}`, a call too deep to read"
+        try:
+            definition, _ = function_source(fn)
+        except (NotAdaptable, SyntaxError):
+            return f"`{name}`, whose source cannot be read"
+        return self._body_dropping(name, definition, namespace_of(fn), owner=self.owner if method else None)
+
+    def _body_dropping(self, name: str, definition: ast.FunctionDef | ast.Lambda, namespace,
+                       owner: type | None = None) -> str | None:
+        if self.depth >= _DEPTH:
+            return f"`{name}`, a call too deep to read"
+        if isinstance(definition, ast.Lambda):  # a lambda of this scope: its free names are ours
+            inner = Callees(definition, namespace, None, self.depth + 1, instance=False)
+            inner.local = {**self.local, **inner.local}
+            inner.params |= self.params
+            inner.this = self.this
+        else:
+            inner = Callees(definition, namespace, owner, self.depth + 1, instance=owner is not None)
+        body = definition.body if isinstance(definition, ast.FunctionDef) else [definition.body]
+        found = next(filter(None, (row_dropping(stmt, inner) for stmt in body)), None)
+        return f"`{name}` ({found} in its body)" if found is not None else None
+
+
+_UNKNOWN = object()
+
+
+def _own_scope(body: list[ast.AST]):
+    """The nodes of a scope: nested functions, lambdas and classes are yielded, not entered."""
+    stack = list(body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _bound_by(node: ast.AST) -> list[tuple[str, ast.AST]]:
+    """(name, binding node) for each name `node` binds in its scope."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return [(node.name, node)]
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return [((a.asname or a.name).split(".")[0], node) for a in node.names]
+    if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.For | ast.NamedExpr | ast.With):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.With):
+            targets = [i.optional_vars for i in node.items if i.optional_vars is not None]
+        else:
+            targets = [node.target]
+        return [(n.id, node) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
+                and isinstance(n.ctx, ast.Store)]
+    if isinstance(node, ast.comprehension):
+        return [(n.id, node) for n in ast.walk(node.target) if isinstance(n, ast.Name)]
+    if isinstance(node, ast.ExceptHandler) and node.name:
+        return [(node.name, node)]
+    return []
