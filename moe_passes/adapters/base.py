@@ -97,17 +97,44 @@ def install(cls: type, traceable_forward: Callable, name: str, method: str = "fo
             method == "forward" and owners is not None and name not in owners.split(" + ")):
         return False
 
+    traced = [traceable_forward]  # replaced where the copy's proof no longer holds (see retrace)
+
     @functools.wraps(original)
     def adapted(self, *args, **kwargs):
         # Eager calls pay one check (is_compiling is False there); dynamo folds both tests while it traces.
         if torch.compiler.is_compiling() and adapters_active():
-            return traceable_forward(self, *args, **kwargs)
+            _refresh()
+            return traced[0](self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     adapted.__moe_passes_original__ = original
+    adapted.__moe_passes_traced__ = traced
     setattr(cls, method, adapted)
     record_adapted(cls, name)
     return True
+
+
+# Run before an adapted method is traced for hpu_moe (discovery's check that each installed copy's proof
+# still holds): the start-of-compile callback misses the first frame after a dynamo reset()
+BEFORE_TRACE: list[Callable[[], None]] = []
+
+
+@torch.compiler.assume_constant_result
+def _refresh() -> bool:
+    """Runs in plain Python while dynamo traces (a trace-time constant)."""
+    for hook in BEFORE_TRACE:
+        hook()
+    return True
+
+
+def retrace(cls: type, method: str, traceable: Callable | None) -> None:
+    """Have hpu_moe trace `traceable` for `cls.method` from now on (None: the method as written). Dynamo
+    guards the copy it traced, so frames compiled before trace again; a frame compiled now reads the new
+    one (putting back the original method would not reach a frame already entered through the wrapper)."""
+    installed = cls.__dict__.get(method)
+    holder = getattr(installed, "__moe_passes_traced__", None)
+    if holder is not None:
+        holder[0] = traceable if traceable is not None else installed.__moe_passes_original__
 
 
 def record_adapted(cls: type, name: str) -> None:

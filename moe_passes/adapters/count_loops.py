@@ -210,6 +210,8 @@ class CountLoop:
     line: int
     guard: int
     bounds: frozenset[str]  # the offset names its slices are cut at (read as numbers when traced)
+    # what the proof read of a namespace or a class (row_maps.still_trusted tells whether it still holds)
+    trusted: tuple = dataclasses.field(default=(), compare=False)
 
 
 def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namespace: Mapping[str, object] = {},
@@ -247,6 +249,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
         return found
 
     positions = {stmt.lineno: i for i, stmt in enumerate(body)}
+    trusted: list = []
     for line, listed, value in lists:
         sources = computed_with(value, positions[line])
         if not any(_cuts_between(part, carried, ends) for source in sources for part in ast.walk(source)):
@@ -254,7 +257,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
                 "running offset and offset + count"
             )
-        callees = Callees(fn_def, namespace, owner)
+        callees = Callees(fn_def, namespace, owner, trusted=trusted)
         dropping = next(filter(None, (row_dropping(source, callees) for source in sources)), None)
         if dropping is not None:
             raise NotAdaptable(
@@ -263,7 +266,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 "out of)"
             )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
-    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends))
+    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), tuple(trusted))
 
 
 def _guard_index(body: list[ast.stmt], n: str) -> int | None:

@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from . import device_moves, function_swaps, hit_expert_loops, vllm_style
-from .base import compiling_for_hpu_moe, env_enabled, install
+from .base import BEFORE_TRACE, compiling_for_hpu_moe, env_enabled, install, retrace
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,36 @@ def _methods_of(cls: type) -> tuple[int, ...]:
         for value in vars(base).values()
         if isinstance(value, (types.FunctionType, staticmethod, classmethod))
     )
+
+
+# Classes whose installed expert-loop copies rest on helpers read by name ({class: {method: copy}}): a
+# helper replaced since (a pool patched in) voids the proof, so those methods are looked at again
+_READS_HELPERS: weakref.WeakKeyDictionary[type, dict[str, types.FunctionType]] = weakref.WeakKeyDictionary()
+
+
+def _note_helper_reads(cls: type, loops: dict[str, types.FunctionType]) -> None:
+    reading = {method: traced for method, traced in loops.items() if hit_expert_loops.reads_helpers(traced)}
+    if reading:
+        _READS_HELPERS[cls] = reading
+
+
+def _look_again_where_helpers_changed() -> None:
+    """Decide again the installed copies that rest on a helper replaced since, and have hpu_moe trace the
+    new decision (the copy, or the method as written)."""
+    for cls, reading in list(_READS_HELPERS.items()):
+        stale = [method for method, traced in reading.items() if not hit_expert_loops.still_holds(traced)]
+        if not stale:
+            continue
+        del _READS_HELPERS[cls]
+        loops = hit_expert_loops.adaptations_of(cls)
+        _note_helper_reads(cls, loops)
+        for method in stale:
+            retrace(cls, method, loops.get(method))
+            log.info("%s.%s.%s: a helper its expert-loop proof read was replaced; decided again",
+                     cls.__module__, cls.__qualname__, method)
+
+
+BEFORE_TRACE.append(_look_again_where_helpers_changed)
 
 
 def _module_classes() -> list[type]:
@@ -95,6 +125,7 @@ def _install_loop_adapters(cls: type) -> bool:
     except Exception as error:  # noqa: BLE001 - an unreadable helper class is left as written
         log.debug("helper class %s.%s not read: %s", cls.__module__, cls.__qualname__, error)
         return False
+    _note_helper_reads(cls, loops)
     return any([install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()])
 
 
@@ -103,6 +134,7 @@ def _install_adapters(cls: type) -> bool:
     if vllm_style.follows_convention(cls) and install(cls, vllm_style.traceable_forward, vllm_style.NAME):
         return True
     loops = hit_expert_loops.adaptations_of(cls)
+    _note_helper_reads(cls, loops)
     installed = [install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()]
     installed += [
         install(cls, traced, device_moves.NAME, method)
@@ -115,6 +147,7 @@ def adapt_new_classes() -> None:
     """Adapt the nn.Module classes defined since the last look (cheap when there are none). A class made
     as another was freed leaves the count as it was: one not looked at yet is found by membership."""
     global _seen_subclass_count
+    _look_again_where_helpers_changed()
     classes = _module_classes()
     if len(classes) != _seen_subclass_count or any(cls not in _examined for cls in classes):
         _seen_subclass_count = len(classes)

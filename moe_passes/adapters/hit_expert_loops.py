@@ -105,6 +105,7 @@ from .host_reads import (
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_ids, present_loop
+from .row_maps import still_trusted
 from .source_ast import (
     VIEW_METHODS,
     Decisions,
@@ -2141,6 +2142,24 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
     return decision if isinstance(decision, types.FunctionType) else None
 
 
+_TRUSTED = "__moe_passes_trusted__"  # on a traced copy: what its proofs read (row_maps.still_trusted)
+
+
+def _with_trusted(traced: types.FunctionType, plan: Plan) -> types.FunctionType:
+    setattr(traced, _TRUSTED, tuple(read for loop in plan.count_loops for read in loop.trusted))
+    return traced
+
+
+def reads_helpers(traced) -> bool:
+    """The copy's proofs read helpers of a namespace or class (so the copy holds only while they stay)."""
+    return bool(getattr(traced, _TRUSTED, ()))
+
+
+def still_holds(traced) -> bool:
+    """Every helper the copy's proofs read is still the one a name gives."""
+    return still_trusted(getattr(traced, _TRUSTED, ()))
+
+
 def traceable_forward_of(cls: type) -> types.FunctionType | None:
     """The copy of `cls.forward` to trace under hpu_moe, or None."""
     return adaptations_of(cls).get("forward")
@@ -2164,9 +2183,13 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
         if not plan.changes_anything():
             return "nothing to adapt"
         traced = rewrite(target, fn_def, filename, plan)
-        return traced if context is None else redecorated(traced, context)
+        return _with_trusted(traced if context is None else redecorated(traced, context), plan)
 
-    decision = decided(_DECISIONS.of(cls), key, where, decide, "expert loop")
+    cache = _DECISIONS.of(cls)
+    if isinstance(cache.get(key), types.FunctionType) and not still_holds(cache[key]):
+        del cache[key]  # a helper its proof read was replaced since: decided again from the code as it is
+        log.info("%s: a helper its expert-loop proof read was replaced; decided again", where)
+    decision = decided(cache, key, where, decide, "expert loop")
     return decision if isinstance(decision, types.FunctionType) else None
 
 

@@ -124,8 +124,11 @@ class Callees:
     readable source."""
 
     def __init__(self, fn_def: ast.FunctionDef | ast.Lambda, namespace: Mapping[str, object],
-                 owner: type | None = None, depth: int = 0, instance: bool = True):
+                 owner: type | None = None, depth: int = 0, instance: bool = True, trusted: list | None = None):
         self.fn_def, self.namespace, self.owner, self.depth = fn_def, namespace, owner, depth
+        # (look-up, key, object) for every object of a namespace or class the reading relied on: the proof
+        # holds only while each look-up still gives that object (see still_trusted)
+        self.trusted = trusted if trusted is not None else []
         arguments = fn_def.args
         params = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
         params += [a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None]
@@ -160,6 +163,7 @@ class Callees:
             if resolved is not _UNKNOWN and not _torch_namespace(resolved) and resolved is not torch.Tensor:
                 obj = getattr(resolved, func.attr, _UNKNOWN)  # `helpers.pool(y)`, `Pool.apply(y)`
                 if obj is not _UNKNOWN:
+                    self.trusted.append((functools.partial(getattr, resolved), func.attr, obj))
                     return self._object_dropping(ast.unparse(func), inspect.getattr_static(resolved, func.attr, obj))
         found = _op_dropping(func.attr, call, self.made)  # a torch function or a tensor method (`y.mean(0)`)
         return f"`{found}`" if found is not None else None
@@ -177,6 +181,7 @@ class Callees:
             found = (self._binding_dropping(name, binding) for binding in self.local[name])
             return next(filter(None, found), None)
         if name in self.namespace:
+            self.trusted.append((self.namespace.get, name, self.namespace[name]))
             return self._object_dropping(name, self.namespace[name], call)
         if isinstance(getattr(builtins, name, None), types.BuiltinFunctionType | type):
             return f"`{name}`" if name in _ROW_BUILTINS else None
@@ -224,6 +229,7 @@ class Callees:
         """`self.attr(...)`: a method of the class is read; an attribute the class does not define is the
         instance's (a submodule set in `__init__`: the module premise)."""
         found = inspect.getattr_static(self.owner, attr, _UNKNOWN)
+        self.trusted.append((functools.partial(inspect.getattr_static, self.owner), attr, found))
         if found is _UNKNOWN or isinstance(found, torch.nn.Module):
             return None
         if isinstance(found, staticmethod):
@@ -266,18 +272,25 @@ class Callees:
         if self.depth >= _DEPTH:
             return f"`{name}`, a call too deep to read"
         if isinstance(definition, ast.Lambda):  # a lambda of this scope: its free names are ours
-            inner = Callees(definition, namespace, None, self.depth + 1, instance=False)
+            inner = Callees(definition, namespace, None, self.depth + 1, instance=False, trusted=self.trusted)
             inner.local = {**self.local, **inner.local}
             inner.params |= self.params
             inner.this = self.this
         else:
-            inner = Callees(definition, namespace, owner, self.depth + 1, instance=owner is not None)
+            inner = Callees(definition, namespace, owner, self.depth + 1, instance=owner is not None,
+                            trusted=self.trusted)
         body = definition.body if isinstance(definition, ast.FunctionDef) else [definition.body]
         found = next(filter(None, (row_dropping(stmt, inner) for stmt in body)), None)
         return f"`{name}` ({found} in its body)" if found is not None else None
 
 
 _UNKNOWN = object()
+
+
+def still_trusted(trusted) -> bool:
+    """Every name a proof read still gives the object it read (a helper replaced after the proof, a pool
+    patched in, would make it wrong)."""
+    return all(look_up(key, _UNKNOWN) is obj for look_up, key, obj in trusted)
 
 
 def _own_scope(body: list[ast.AST]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import inspect
 import logging
 import textwrap
@@ -33,18 +34,18 @@ def function_source(fn) -> tuple[ast.FunctionDef, str]:
     return fn_def, filename
 
 
-def namespace_of(fn) -> dict[str, object]:
-    """What the free names of `fn` stand for now: its module's globals, overlaid by its closure's cells
-    (an empty cell, a name not yet bound, is left out). A decorated function's are those of the function
-    it wraps, whose source `function_source` reads."""
+def namespace_of(fn) -> collections.ChainMap:
+    """What the free names of `fn` stand for: its closure's cells (an empty cell, a name not yet bound, is
+    left out) over its module's globals, read live (a global replaced later is seen). A decorated
+    function's are those of the function it wraps, whose source `function_source` reads."""
     fn = inspect.unwrap(fn)
-    found = dict(getattr(fn, "__globals__", {}))
+    cells = {}
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         try:
-            found[name] = cell.cell_contents
+            cells[name] = cell.cell_contents
         except ValueError:
-            found.pop(name, None)
-    return found
+            pass
+    return collections.ChainMap(cells, getattr(fn, "__globals__", {}))
 
 
 def walk_function(fn_def: ast.FunctionDef):
