@@ -249,7 +249,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
         return found
 
     positions = {stmt.lineno: i for i, stmt in enumerate(body)}
-    trusted: list = []
+    callees = Callees(fn_def, namespace, owner)  # the function's scope, read once for every append
     for line, listed, value in lists:
         sources = computed_with(value, positions[line])
         if not any(_cuts_between(part, carried, ends) for source in sources for part in ast.walk(source)):
@@ -257,7 +257,6 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
                 "running offset and offset + count"
             )
-        callees = Callees(fn_def, namespace, owner, trusted=trusted)
         dropping = next(filter(None, (row_dropping(source, callees) for source in sources)), None)
         if dropping is not None:
             raise NotAdaptable(
@@ -266,7 +265,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 "out of)"
             )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
-    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), tuple(trusted))
+    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), tuple(callees.trusted))
 
 
 def _guard_index(body: list[ast.stmt], n: str) -> int | None:
@@ -510,9 +509,8 @@ def _recasts_outer(stmt: ast.stmt, bound: set[str]) -> bool:
         return False
     receiver = value.func.value
     arguments = list(value.args) + [k.value for k in value.keywords if k.arg == "dtype"]
-    return (isinstance(receiver, ast.Name) and receiver.id == name and len(arguments) == 1
-            and len(value.args) + len(value.keywords) == 1
-            and isinstance(arguments[0], ast.Attribute) and arguments[0].attr == "dtype")
+    return (isinstance(receiver, ast.Name) and receiver.id == name and len(value.args) + len(value.keywords) == 1
+            and len(arguments) == 1 and isinstance(arguments[0], ast.Attribute) and arguments[0].attr == "dtype")
 
 
 def _cumsum_operand(offsets: str, assignments: dict) -> ast.AST | None:

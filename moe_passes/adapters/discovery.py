@@ -147,7 +147,6 @@ def adapt_new_classes() -> None:
     """Adapt the nn.Module classes defined since the last look (cheap when there are none). A class made
     as another was freed leaves the count as it was: one not looked at yet is found by membership."""
     global _seen_subclass_count
-    _look_again_where_helpers_changed()
     classes = _module_classes()
     if len(classes) != _seen_subclass_count or any(cls not in _examined for cls in classes):
         _seen_subclass_count = len(classes)

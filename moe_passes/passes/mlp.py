@@ -170,10 +170,10 @@ def _sliced_projection(node: Node) -> Projection | None:
     x.split(s, -1) and W.split(s, 1) paired by index. Both are x @ W.T (the sum up to the order in which
     floats are added, as any matmul kernel chooses)."""
     if is_call(node, aten.cat.default) and len(node.args[0]) > 1:
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        reads = [_plain_projection(piece) for piece in node.args[0]]
-        if not isinstance(dim, int) or dim % len(shape(node) or (0,)) != len(shape(node) or (0,)) - 1:
+        dim, rank = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape(node) or ())
+        if not rank or not isinstance(dim, int) or dim % rank != rank - 1:
             return None
+        reads = [_plain_projection(piece) for piece in node.args[0]]
         if any(r is None or not r.out_in for r in reads) or len({r.input for r in reads}) != 1:
             return None
         weights = [_piece(r.weight) for r in reads]
