@@ -310,6 +310,25 @@ class CountsTheOutputs(CountLoopMoE):
         return unsorted.view(*ids.shape, -1).mul(weights.unsqueeze(-1)).sum(dim=1)
 
 
+class PicksALastRow(ReducesTheRows):
+    """`y[-1]`: one row of the expert's output, an IndexError where the expert has none (the compile raised
+    `u2 <= 1` where eager skipped the expert)."""
+
+    def segments(self, hidden_states, ids, weights):
+        per_expert = ids.new_zeros((ids.shape[0], len(self.experts))).scatter_(1, ids, 1).sum(dim=0)
+        order = ids.view(-1).argsort()
+        rows = hidden_states[order // ids.shape[1]]
+        outputs, start = [], 0
+        for i, count in enumerate(per_expert):
+            if count == 0:
+                continue
+            end = start + count
+            out = self.experts[i](rows[start:end])
+            outputs.append(out[-1] * torch.ones(1, 1))  # [1, H]
+            start = end
+        return torch.cat(outputs)
+
+
 KEPT = {
     OffsetSkipsARow: "does not move by the count alone",
     CountsCalls: "`self.calls += 1` in the loop over the counts may act for an expert with no rows",
@@ -318,6 +337,7 @@ KEPT = {
     ReducesTheRows: "goes through `mean`, which may leave a value with rows when the cut has none",
     SumsWithANewLeadingDim: "goes through `[None]`",
     SumsByAMatmul: "goes through `@`",
+    PicksALastRow: "goes through `[-1]`",
     PoolsThroughAHelper: "goes through `_through_the_pool` (`_pooled` (`mean` in its body) in its body)",
     CallsAParameter: "goes through `post`, a parameter, which is not known here",
 }

@@ -49,9 +49,28 @@ def row_dropping(value: ast.AST, callees: Callees) -> str | None:
             first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) and node.slice.elts else node.slice
             if isinstance(first, ast.Constant) and first.value is None:
                 return "`[None]`"  # a new leading dim
+            if _int_literal(first) and not _picks_from_a_container(node.value, callees):
+                return f"`[{ast.unparse(first)}]`"  # one row picked: an IndexError where there are none
         if isinstance(node, ast.Call) and (found := callees.call_dropping(node)) is not None:
             return found
     return None
+
+
+def _int_literal(expr: ast.AST) -> bool:
+    """`0`, `-1`: an int index, written as a literal."""
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+        expr = expr.operand
+    return isinstance(expr, ast.Constant) and type(expr.value) is int
+
+
+def _picks_from_a_container(value: ast.AST, callees: Callees) -> bool:
+    """`value[0]` picks no row: a submodule of the instance (`self.experts[0]`), a shape (`y.shape[0]`,
+    `y.size()[0]`)."""
+    if callees._of_instance(value):
+        return True
+    if isinstance(value, ast.Attribute) and value.attr == "shape":
+        return True
+    return call_name(value) == "size"
 
 
 def _op_dropping(name: str, call: ast.Call | None, made=lambda expr: call_name(expr) in _MADE) -> str | None:
