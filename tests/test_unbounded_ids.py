@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.mixtral import modeling_mixtral
 
 from form_catalog._common import init_weights
 from moe_passes.explain import explain, explain_and_run
@@ -61,7 +61,7 @@ class TransformersExperts(torch.nn.Module):
         super().__init__()
         config = MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E)
         config._experts_implementation = implementation
-        self.experts = MixtralExperts(config)
+        self.experts = modeling_mixtral.MixtralExperts(config)
         init_weights(self, seed=0)
 
     def forward(self, x, w, ids):
@@ -125,6 +125,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_ids_from_outside_the_graph_keep_what_the_layer_does_with_them(case):
+    if case in ("batched_mm", "grouped_mm") and not hasattr(modeling_mixtral, "MixtralExperts"):
+        pytest.skip("transformers before 5 has no MixtralExperts module (optimum-habana pins 4.55.4)")
     build, expected = CASES[case]
     model = build().eval()
     fn, recorder, x, w, fused = compiled(model)
