@@ -892,3 +892,31 @@ def test_rows_gathered_with_index_select_are_fused():
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 1, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class UngatedLoop(torch.nn.Module):
+    """Megatron / nomic-embed experts: fc2(act(fc1(x))) with biases, no gate projection."""
+
+    def __init__(self, activation):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), activation, torch.nn.Linear(16, 8)) for _ in range(4))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+@pytest.mark.parametrize(("activation", "named"), [(torch.nn.GELU(), "gelu"), (torch.nn.SiLU(), "silu")])
+def test_ungated_experts_are_declined_with_their_form_named(activation, named):
+    torch.manual_seed(0)
+    model, inputs = UngatedLoop(activation).eval(), (torch.randn(5, 8),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert report.graph_count == 1 and not report.fused and len(report.declined) == 1, str(report)
+    assert f"an ungated MLP, down({named}(up(x)))" in report.declined[0].reason, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -46,6 +46,7 @@ from .mlp import (
     halves,
     projection,
     row_scaled,
+    ungated_activation,
 )
 
 aten = torch.ops.aten
@@ -207,6 +208,20 @@ RESIDUAL_INSIDE = (
     "an expert adds a tensor to its MLP's output inside the expert (a residual: `x + MLP(norm(x))`); the "
     "fused kernel computes the gated MLP alone"
 )
+
+
+def no_mlp_reason(node: Node, reason: str) -> str:
+    """Why an expert's output `node` (scaled or not) reads as no gated MLP: a residual inside the expert, an
+    ungated MLP (named with its activation), else `reason`."""
+    if adds_inside(node):
+        return RESIDUAL_INSIDE
+    node = strip_casts(node)
+    for factor in _factors(node) if is_call(node, aten.mul.Tensor) else [node]:
+        activation = ungated_activation(factor) if isinstance(factor, Node) else None
+        if activation is not None:
+            return (f"an expert is an ungated MLP, down({activation}(up(x))); the fused kernel computes gated "
+                    "experts, down(act(gate(x)) * up(x))")
+    return reason
 
 
 def adds_inside(node: Node) -> bool:

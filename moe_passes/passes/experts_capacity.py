@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..fx_utils import arguments, const_int, dtype, is_call, is_cast, is_getitem, shape, strip_shape_ops
 from . import probe
 from .axes import contraction, frontier
-from .expert_terms import ExpertTerm, first_no_match, one_activation, read_term, role_weights
+from .expert_terms import ExpertTerm, first_no_match, no_mlp_reason, one_activation, read_term, role_weights
 from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, NoMatch, unprobeable
 from .slots import same_size
@@ -180,7 +180,8 @@ def _expert_terms(outputs: Node) -> list[ExpertTerm] | NoMatch:
     for e, part in enumerate(joined.args[0]):
         term = read_term(part)
         if term is None or term.coefficient is not None or term.input_scaled_by is not None or term.swiglu:
-            return NoMatch("an expert's output is not a plain gated MLP of its slots", part)
+            reason = "an expert's output is not a plain gated MLP of its slots"
+            return NoMatch(no_mlp_reason(part, reason) if term is None else reason, part)
         rows = _slot_rows(term.hidden)
         if rows is None or rows[1] != e or (source is not None and rows[0] is not source):
             return NoMatch("expert e does not read slots [e] of one dispatched tensor", term.hidden)

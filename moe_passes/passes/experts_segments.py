@@ -41,7 +41,7 @@ from ..fx_utils import (
     through_trailing_cast,
 )
 from . import probe
-from .expert_terms import ExpertTerm, first_no_match, is_zero_init, read_term, role_weights
+from .expert_terms import ExpertTerm, first_no_match, is_zero_init, no_mlp_reason, read_term, role_weights
 from .finder import Candidate, Finder
 from .matches import IDS_WEIGHTS_SHAPES, MIXED_GATE_UP, Decline, ExpertsMatch, NoMatch, unprobeable
 from .mlp import activation_of, gated_product, halves, projection
@@ -217,7 +217,8 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     down = projection(piece)
     joined = _segment(down.input) if down is not None else None
     if joined is None:
-        return NoMatch(f"expert {e}'s output is not a gated MLP of a segment of the sorted rows", piece)
+        return NoMatch(no_mlp_reason(piece, f"expert {e}'s output is not a gated MLP of a segment of the sorted rows"),
+                       piece)
     product = gated_product(joined.rows)
     split = halves(product.gate, product.up) if product is not None else None
     inner = _joined(split[0]) if split is not None else None

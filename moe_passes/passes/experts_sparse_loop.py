@@ -43,7 +43,7 @@ from ..fx_utils import (
     strip_shape_ops,
     through_trailing_cast,
 )
-from .expert_terms import RESIDUAL_INSIDE, ExpertTerm, adds_inside, is_zero_init, match_terms, read_term
+from .expert_terms import ExpertTerm, is_zero_init, match_terms, no_mlp_reason, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
 from .slots import repeat_interleaved
@@ -292,8 +292,8 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
         if term is None and strip_shape_ops(strip_casts(source)).op == "placeholder":
             return None  # the experts ran in another graph (a graph break before them): nothing to read here
         if term is None:
-            return no(RESIDUAL_INSIDE if adds_inside(source) else
-                      "an expert's scattered output is not a gated MLP of the gathered tokens", source)
+            return no(no_mlp_reason(source, "an expert's scattered output is not a gated MLP of the gathered tokens"),
+                      source)
         rows_value = term.hidden
         if term.input_scaled_by is not None:  # MLP(x[tok] * w): let match_terms name the problem
             rows_value = next(
@@ -357,10 +357,9 @@ def _match_slot_stores(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
     for link in links:
         _, _, index, source, _ = link_parts(link)
         term = read_term(source) if isinstance(source, Node) else None
-        if term is None and isinstance(source, Node) and adds_inside(source):
-            return no(RESIDUAL_INSIDE, source)
         if term is None or term.input_scaled_by is not None or term.coefficient is not None:
-            return no("an expert's stored output is not a gated MLP of the rows it stores at", source)
+            reason = "an expert's stored output is not a gated MLP of the rows it stores at"
+            return no(no_mlp_reason(source, reason) if term is None and isinstance(source, Node) else reason, source)
         gathered = strip_shape_ops(term.hidden)
         rows = None
         if is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1 and _same_value(

@@ -246,6 +246,34 @@ def _is_2d_swap(node: Node) -> bool:
     return False
 
 
+def ungated_activation(node: Node) -> str | None:
+    """The activation's description when `node` is an ungated MLP, down(act(up(x))) (a bias on either
+    projection allowed: Megatron's SwitchMLP, nomic-embed's experts); None otherwise. The kernel has no
+    such form (it multiplies the activation by an up projection), so this only names a decline."""
+    down = _biased_projection(node)
+    if down is None:
+        return None
+    act = strip_shape_ops(strip_casts(down.input))
+    if not is_call(act, *_FUSABLE_ACTS, *_OTHER_ACTS) or _biased_projection(act.args[0]) is None:
+        return None
+    return act.target.overloadpacket.__name__
+
+
+def _biased_projection(node: Node) -> Projection | None:
+    """x @ W.T or x @ W, plus a bias row or not (`addmm`: nn.Linear with a bias)."""
+    node = strip_shape_ops(strip_casts(node))
+    if is_call(node, aten.addmm.default) and len(shape(node.args[0]) or ()) == 1:
+        x, w = node.args[1:3]
+        if is_call(w, *TRANSPOSE_OPS) and _is_2d_swap(w):
+            return Projection(strip_shape_ops(x), w.args[0], True)
+        return Projection(strip_shape_ops(x), w, False)
+    if is_call(node, aten.add.Tensor) and all(isinstance(a, Node) for a in node.args[:2]):
+        for y, bias in (node.args[:2], node.args[1::-1]):
+            if len(shape(bias) or ()) == 1 and projection(y) is not None:
+                return projection(y)
+    return projection(node)
+
+
 @dataclass(frozen=True)
 class ClampedSwiglu:
     """GPT-OSS's gate: gate/up interleaved in one projection, clamped, (up + 1) * gate * sigmoid(alpha * gate)."""
