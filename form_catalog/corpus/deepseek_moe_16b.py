@@ -2,8 +2,8 @@
 
 Mirrors goingshr-debug/SMoE `models/deepseekmoe/model_path/modeling_deepseek.py` at commit 5792f68 (`MoEGate`,
 `AddAuxiliaryLoss`, `DeepseekMoE.forward`, `DeepseekMoE.moe_infer`, `DeepseekMLP`), a vendored copy of the
-remote code shipped with deepseek-ai/deepseek-moe-16b (stands in for OpenBMB's MiniCPM-MoE-8x2B remote code,
-whose Python was not among the stored copies). The gate scores a bias-free linear with a softmax, takes the
+remote code shipped with deepseek-ai/deepseek-moe-16b (it stood in for OpenBMB's MiniCPM-MoE-8x2B remote code,
+whose Python was not found among the stored copies at first; `minicpm_moe` mirrors it since). The gate scores a bias-free linear with a softmax, takes the
 unsorted top-k, renormalises (+1e-20) only when top_k > 1 and `norm_topk_prob` (16B ships with it off), and
 in training computes a sequence-level or token-level auxiliary loss. The layer flattens tokens and has a
 training branch (repeat each token top_k times, `y[flat_idx == i] = expert(x[flat_idx == i])` for every
