@@ -96,6 +96,28 @@ def test_a_written_buffer_seen_through_another_name_is_written_in_place():
     torch.testing.assert_close(copy(rows, weight, counts), aliased(rows, weight, counts))
 
 
+def zero_or_bias_rows(rows, weight, counts):
+    """Experts 0 and 1 write a number or a broadcast row into their slice (a review's cases)."""
+    out = torch.zeros(rows.shape[0], weight.shape[-1], dtype=rows.dtype)
+    offsets = torch.cat((torch.zeros(1, dtype=torch.long), torch.cumsum(counts, dim=0)))
+    for e in range(weight.shape[0]):
+        start, end = offsets[e], offsets[e + 1]
+        if e == 0:
+            out[start:end] = 0.0
+        elif e == 1:
+            out[start:end] = weight[e, 0]
+        else:
+            out[start:end] = rows[start:end] @ weight[e].to(torch.float64)
+    return out
+
+
+def test_a_written_number_or_row_broadcasts_as_in_the_assignment():
+    copy = offset_slices.traced_copy(zero_or_bias_rows)
+    counts = torch.tensor([2, 1, 2])
+    rows, weight = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, 4)
+    torch.testing.assert_close(copy(rows, weight, counts), zero_or_bias_rows(rows, weight, counts))
+
+
 def test_the_catalog_form_fuses_on_every_supported_torch():
     """Where dynamo itself refuses tensor slice bounds (torch 2.9-2.11), the copy is what it traces."""
     model, inputs = catalog()["aria4_offset_segments"].build(layers=1, tokens=3)

@@ -265,6 +265,14 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 "out of)"
             )
     _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
+    # every call but the appends acts only through its value (a helper storing a statistic of the rows on
+    # the module would store one for an expert with none)
+    effects = Callees(fn_def, namespace, owner, effects=True, trusted=callees.trusted)
+    appends = {id(stmt.value) for stmt in body if _appends_to_a_name(stmt)}
+    for node in (n for stmt in body for n in ast.walk(stmt)):
+        if isinstance(node, ast.Call) and id(node) not in appends and (found := effects.call_dropping(node)):
+            raise NotAdaptable(f"line {node.lineno}: the call `{ast.unparse(node)[:50]}` in the loop over the counts "
+                               f"goes through {found}, which may act for an expert with no rows")
     return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), tuple(callees.trusted))
 
 

@@ -105,7 +105,7 @@ from .host_reads import (
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_ids, present_loop
-from .row_maps import still_trusted
+from .row_maps import Callees, still_trusted
 from .source_ast import (
     VIEW_METHODS,
     Decisions,
@@ -591,8 +591,25 @@ def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
     if any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == var for n in ast.walk(test)):
         return False  # `var.attr` differs between the row and its Python index
     allowed = (ast.Name, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.cmpop, ast.boolop,
-               ast.unaryop, ast.expr_context)
-    return var in names and not (names - {var}) & bound and all(isinstance(n, allowed) for n in ast.walk(test))
+               ast.unaryop, ast.expr_context, ast.Tuple, ast.List)
+    return (var in names and not (names - {var}) & bound and all(isinstance(n, allowed) for n in ast.walk(test))
+            and not any(_membership_by_hash(n) for n in ast.walk(test)))
+
+
+def _changes_in_place(node: ast.AST, name: str) -> bool:
+    """`name[...] = v`, `name[...] += v` or `name.op_(...)`: the tensor bound to `name` changed where it is."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+        return isinstance(node.value, ast.Name) and node.value.id == name
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == name and node.func.attr.endswith("_") and not node.func.attr.startswith("__"))
+
+
+def _membership_by_hash(node: ast.AST) -> bool:
+    """`x in S` with S not a tuple or list written out: a set or dict looks a tensor up by identity (never
+    found) and an int by value, so the row and its Python index may test differently."""
+    return isinstance(node, ast.Compare) and any(
+        isinstance(op, ast.In | ast.NotIn) and not isinstance(right, ast.Tuple | ast.List)
+        for op, right in zip(node.ops, node.comparators, strict=True))
 
 
 def _branches_on_index(stmt: ast.stmt, var: str, bound: set[str]) -> bool:
@@ -712,8 +729,10 @@ def _bincount_of(counts: str, source: str, fn_def: ast.FunctionDef) -> bool:
     if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(assignments.get(source, [])) > 1:
         return False
     value = strip_methods(bound[0].value, _FLATTENING)
-    if call_name(value) != "bincount" or not value.args:
+    if call_name(value) != "bincount" or not value.args or len(value.args) > 2:
         return False
+    if len(value.args) == 2 or any(k.arg != "minlength" for k in value.keywords):
+        return False  # `weights=`: a count can be 0 where an id is present (padding weighted 0)
     ids = strip_methods(value.args[0], _FLATTENING)
     return isinstance(ids, ast.Name) and ids.id == source
 
@@ -727,7 +746,7 @@ def _piece_rows(zipped) -> dict[str, int]:
 
 def _check_body(
     loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef, given_rows: dict[str, int] | None = None,
-    present_ids: str | None = None,
+    present_ids: str | None = None, callees: Callees | None = None,
 ) -> tuple[list[int], list[int]]:
     """The body's only effect is one accumulation at rows that are empty for an expert not hit.
 
@@ -736,7 +755,10 @@ def _check_body(
     those guards, which the rewrite removes (dynamo breaks the graph on a data-dependent `if`), and, for
     a hit loop, the lines of the `continue`s on a test of the loop variable, which it evaluates on the
     Python index. With `present_ids` (a loop over the unique values of that name), the accumulation's rows
-    must be `torch.where(present_ids == var)`: empty for an id not present.
+    must be `torch.where(present_ids == var)`: empty for an id not present. Every call in the body but the
+    accumulation must act only through its value (`callees`, reading them for effects: a helper that stores
+    a statistic on the module would store one for an expert no token chose); the experts, modules, are
+    taken to compute their output alone.
     """
     bound: set[str] = set()
     rows: dict[str, int] = dict(given_rows or {})  # name -> line of the torch.where / nonzero that bound it
@@ -800,6 +822,11 @@ def _check_body(
             elif isinstance(stmt, ast.With):
                 if any(item.optional_vars is not None for item in stmt.items):
                     raise NotAdaptable(f"line {stmt.lineno}: `with ... as` in the loop body")
+                for item in stmt.items:
+                    if not _torch_context(item.context_expr, callees):
+                        raise NotAdaptable(f"line {stmt.lineno}: `with {ast.unparse(item.context_expr)[:40]}` in the "
+                                           "loop body may act for an expert no token chose (only torch's contexts "
+                                           "are taken)")
                 visit(stmt.body)
             elif isinstance(stmt, ast.Expr) and call_name(stmt.value) in _ACCUMULATORS:
                 accumulations.append(stmt.value)
@@ -884,6 +911,29 @@ def _check_body(
             )
     _check_locals(loop, bound, fn_def)
     return [line for line, _ in guards], skips
+
+
+def _check_calls(loop: ast.For, callees: Callees) -> None:
+    """Every call in the loop body but the accumulations (`out.index_add_(...)` statements, read by
+    `_check_body`) acts only through its value (`row_maps.effect_of`): checked last, where the loop's
+    other constructs passed, so a construct stopping the proof first is the one named."""
+    accumulations = {id(stmt.value) for stmt in ast.walk(loop) if isinstance(stmt, ast.Expr)
+                     and call_name(stmt.value) in _ACCUMULATORS}
+    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+        if isinstance(node, ast.Call) and id(node) not in accumulations:
+            found = callees.call_dropping(node)
+            if found is not None:
+                raise NotAdaptable(f"line {node.lineno}: the call `{ast.unparse(node)[:50]}` in the loop body goes "
+                                   f"through {found}, which may act for an expert no token chose")
+
+
+def _torch_context(expr: ast.expr, callees: Callees | None) -> bool:
+    """`expr` makes one of torch's context managers (`torch.no_grad()`, `torch.autocast(...)`,
+    `record_function(...)`): grad mode, autocast or a profiler range, nothing the output or the module sees."""
+    if not isinstance(expr, ast.Call):
+        return False
+    made = callees.resolved(expr.func) if callees is not None else None
+    return isinstance(made, type) and (made.__module__ or "").split(".")[0] == "torch"
 
 
 _MOVES = {"to", "cpu", "cuda", "contiguous"}
@@ -1064,6 +1114,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     link_parents(fn_def)
     assignments = bindings(fn_def)
     namespace = namespace_of(fn)
+    callees = Callees(fn_def, namespace, owner, effects=True)  # what the calls in an expert loop may do
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     loops, guards, captures, kept, count_loops, lists, selecting, fixed = [], [], False, [], [], [], [], []
     present: list[PresentLoop] = []
@@ -1075,7 +1126,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
             continue
         if _selects_tokens(node, boolean):
             selected = {n for stmt in node.body for n in _rows_names(stmt, None, "")}
-            lists.extend(list_indices(node, selected))
+            lists.extend(list_indices(node, selected, fn_def))
         try:
             counted = count_loop(node, assignments, fn_def, namespace, owner)
             if counted is None and (over_offsets := offset_loop(node, assignments, fn_def)) is not None:
@@ -1097,17 +1148,21 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
                 counted_into = split_counts(sizes, assignments)
                 fixed.extend([counted_into] if counted_into is not None and counted_into not in fixed else [])
             pieces.update(zipped.pieces)
-            lists.extend(list_indices(node, set(zipped.pieces)))
+            lists.extend(list_indices(node, set(zipped.pieces), fn_def))
             if any(isinstance(s, ast.If) for s in node.body):
                 try:
-                    guards.extend(_check_body(node, "", None, fn_def, _piece_rows(zipped))[0])
+                    removable = _check_body(node, "", None, fn_def, _piece_rows(zipped), callees=callees)[0]
+                    _check_calls(node, callees)
+                    guards.extend(removable)
                 except NotAdaptable as exc:
                     kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
             continue
         if selects and (ids := present_ids(node.iter)) is not None:  # `for e in ids.unique().tolist():`
             loop = present_loop(node, ids)
-            guards.extend(_check_body(node, loop.var, None, fn_def, present_ids=ids)[0])
+            removable = _check_body(node, loop.var, None, fn_def, present_ids=ids, callees=callees)[0]
             _not_read_after(node, loop.var, fn_def)
+            _check_calls(node, callees)
+            guards.extend(removable)
             present.append(loop)
             continue
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
@@ -1117,7 +1172,9 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
             index = loop_index(node)
             if selects and index is not None and any(isinstance(s, ast.If) for s in node.body):
                 try:
-                    guards.extend(_check_body(node, index, None, fn_def)[0])
+                    removable = _check_body(node, index, None, fn_def, callees=callees)[0]
+                    _check_calls(node, callees)
+                    guards.extend(removable)
                 except NotAdaptable as exc:  # named in the report where the method broke the graph
                     kept.append(f"the loop over the experts keeps its `if` as written: {exc}")
                     log.info("expert loop guard kept: %s", exc)
@@ -1127,14 +1184,20 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
         if sum(1 for n in loads if n.id == hit.id) != 1:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
         mask, dims = _hit_test_mask(operand, assignments)
-        removable, skips = _check_body(node, node.target.id, mask, fn_def)
+        if any(bound[0].lineno < b.lineno < node.lineno for b in assignments.get(mask, [])) or any(
+                bound[0].lineno < getattr(n, "lineno", 0) < node.lineno and _changes_in_place(n, mask)
+                for n in walk_function(fn_def)):
+            raise NotAdaptable(f"line {node.lineno}: {mask} is bound again between the hit test and the loop, so "
+                               "the rows the loop selects are not those the hit test tested")
+        removable, skips = _check_body(node, node.target.id, mask, fn_def, callees=callees)
         _not_read_after(node, node.target.id, fn_def)
-        guards.extend(removable)
         alias = _element_alias(node.body[0], node.target.id) if node.body else None
         if alias is None:
             indexed, guarded = _indexed_containers(node, node.target.id), ()
         else:  # every container is checked row by row (rows_to_visit bounds nothing)
             indexed, guarded = (), _guarded_containers(node, alias)
+        _check_calls(node, callees)
+        guards.extend(removable)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed, alias,
                              guarded))
     calls = adapted_calls(fn)  # cuts at offsets: their bounds are read as numbers

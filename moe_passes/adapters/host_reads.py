@@ -56,12 +56,12 @@ import torch
 
 from .source_ast import (
     NotAdaptable,
+    bindings,
     boolean_by_construction,
     call_name,
     loop_index,
     number_read,
     span,
-    stored_names,
     strip_methods,
     walk_function,
 )
@@ -102,31 +102,51 @@ def data_length_names(fn_def: ast.FunctionDef, selected: set[str]) -> set[str]:
     return names
 
 
-def list_indices(loop: ast.For, rows: set[str]) -> list[ListIndex]:
+def list_indices(loop: ast.For, rows: set[str], fn_def: ast.FunctionDef) -> list[ListIndex]:
     """The `name = r.tolist()` bindings in `loop`'s body (r one of the selected `rows`; also as pairs,
-    `a, b = r.tolist(), s.tolist()`) whose name is bound once and read only as an index element of a
-    subscript in the body."""
+    `a, b = r.tolist(), s.tolist()`) whose name is bound once in the whole function and read only as an
+    index element of a subscript in the body, where r is bound once in the body and never changed in
+    place: every read of the list then reads r's values, as the rewrite does."""
     statements = [s for s in ast.walk(loop) if isinstance(s, ast.Assign)]
-    bound = [  # an item store (`out[mask] = y`) binds no name
-        n for s in statements for t in s.targets if not isinstance(t, ast.Subscript | ast.Attribute)
-        for n in stored_names(t)
-    ]
+    everywhere = bindings(fn_def)
+    steady = {r for r in rows if _bound_once_in(loop, r)}  # a list named now reads r's values where it is read
     found = []
     for stmt in statements:
-        for name, value in _pairs(stmt):
-            if not (
-                call_name(value) == "tolist" and isinstance(value.func, ast.Attribute) and not value.args
-                and isinstance(value.func.value, ast.Name) and value.func.value.id in rows
-            ):
-                continue
-            if bound.count(name) == 1 and all(_as_index(use) for use in _loads_of(loop, name)):
-                found.append(ListIndex(stmt.lineno, name, value.func.value.id))
+        listed = [(name, value.func.value.id) for name, value in _pairs(stmt)
+                  if call_name(value) == "tolist" and isinstance(value.func, ast.Attribute) and not value.args
+                  and isinstance(value.func.value, ast.Name) and value.func.value.id in rows]
+        taken = [(name, source) for name, source in listed if source in steady and len(everywhere.get(name, [])) == 1
+                 and all(_as_index(use) for use in _loads_of(fn_def, name))]
+        if taken == listed:  # a statement is dropped whole, or left whole (its lists then stay, named)
+            found.extend(ListIndex(stmt.lineno, name, source) for name, source in taken)
     for call in ast.walk(loop):  # `w[r.tolist(), s.tolist(), None]`: the lists read in place as indices
         if (call_name(call) == "tolist" and isinstance(call.func, ast.Attribute) and not call.args
                 and isinstance(call.func.value, ast.Name) and call.func.value.id in rows and _as_index(call)):
             where = span(call)
             found.append(ListIndex(call.lineno, "", call.func.value.id, where))
     return found
+
+
+def _bound_once_in(loop: ast.For, name: str) -> bool:
+    """`name` is bound once in the loop (by its target or one statement of the body; `name =
+    name.to(...)` keeps its values) and no statement changes it in place."""
+    binding = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == name
+               and isinstance(n.ctx, ast.Store) and not _moved(stmt, name)]
+    binding += [n for n in ast.walk(loop.target) if isinstance(n, ast.Name) and n.id == name]
+    in_place = [n for stmt in loop.body for n in ast.walk(stmt) if (
+        isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+        and n.value.id == name) or (
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == name and n.func.attr.endswith("_") and not n.func.attr.startswith("__"))]
+    return len(binding) == 1 and not in_place
+
+
+def _moved(stmt: ast.stmt, name: str) -> bool:
+    """`name = name.to(...)` (`.cpu()`, `.cuda()`, `.contiguous()`): the same values, moved."""
+    return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == name and call_name(stmt.value) in ("to", "cpu", "cuda", "contiguous")
+            and isinstance(stmt.value.func, ast.Attribute) and isinstance(stmt.value.func.value, ast.Name)
+            and stmt.value.func.value.id == name and not any(k.arg == "dtype" for k in stmt.value.keywords))
 
 
 def _pairs(stmt: ast.Assign) -> list[tuple[str, ast.expr]]:
@@ -345,13 +365,18 @@ class CutToCapacity(ast.NodeTransformer):
 
 
 def cut_to_capacity(rows, capacity):
-    """`rows[:capacity]`. For a count (an int >= 0) it is spelled `narrow(0, 0, min(len, capacity))`:
+    """`rows[:capacity]`, where `rows.numel() > capacity` (the cut is written `R[:c] if R.numel() > c else
+    R`). For a count (an int >= 0) it is spelled `narrow(0, 0, min(len, capacity))`:
     the same rows, and a length dynamo before torch 2.11 can trace when `rows` has a data-dependent
     length (slicing there guards on which of the two is smaller, and raises)."""
     # a Python int only (`>= 0` of a SymInt could guard on an unbacked one), a tensor only (`len(rows)` may
     # measure a list)
     if isinstance(rows, torch.Tensor) and type(capacity) is int and capacity >= 0:
         return rows.narrow(0, 0, torch.sym_min(rows.shape[0], capacity))
+    if isinstance(rows, torch.Tensor) and type(capacity) is float:  # `T * k / E * factor`
+        # the original slices only where the rows pass the capacity, and slicing with a float raises there
+        torch._check(rows.shape[0] <= capacity, lambda: f"slice indices must be integers (capacity {capacity})")
+        return rows
     return rows[:capacity]
 
 

@@ -64,8 +64,13 @@ def offset(value) -> int:
 
 def write(rows: torch.Tensor, value: torch.Tensor, start, end) -> torch.Tensor:
     """`rows` with `value` written over rows start..end (`rows[start:end] = value` without the in-place
-    copy, whose broadcasting test older torch cannot decide for symbolic sizes); bounds as in `cut`."""
-    cut(rows, start, end)
+    copy, whose broadcasting test older torch cannot decide for symbolic sizes); bounds as in `cut`. As in
+    the assignment, `value` may be a number, a tensor of fewer dims that broadcasts to the rows cut, or of
+    another dtype (sizes of a tensor with as many dims are left to slice_scatter: comparing them would
+    guard on data-dependent sizes)."""
+    piece = cut(rows, start, end)
+    if not isinstance(value, torch.Tensor) or value.dim() != piece.dim() or value.dtype != rows.dtype:
+        value = torch.as_tensor(value, device=rows.device).to(rows.dtype).expand_as(piece)
     return torch.slice_scatter(rows, value, 0, start, end)
 
 

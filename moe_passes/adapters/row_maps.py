@@ -56,6 +56,34 @@ def row_dropping(value: ast.AST, callees: Callees) -> str | None:
     return None
 
 
+def effect_of(node: ast.AST, callees: Callees) -> str | None:
+    """The first construct in `node` that may act beyond the value it computes, named, or None: a store
+    into an attribute or an item (of anything but a tensor made in the function), `global`/`nonlocal`, an
+    in-place op or a container's mutator, `print` and the like, and calls whose code does any of these or
+    cannot be read. Modules are taken to compute their output alone, as for rows (`Callees`)."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Global | ast.Nonlocal):
+            return f"`{type(sub).__name__.lower()}`"
+        if (isinstance(sub, ast.Attribute | ast.Subscript) and isinstance(sub.ctx, ast.Store | ast.Del)
+                and not callees.made(_root(sub))):
+            return f"a store into `{ast.unparse(sub)[:40]}`"
+        if isinstance(sub, ast.Call) and (found := callees.call_dropping(sub)) is not None:
+            return found
+    return None
+
+
+# Builtins whose call acts beyond its value (output, attributes, iterators); others compute a value
+_EFFECT_BUILTINS = frozenset({"print", "setattr", "delattr", "exec", "eval", "open", "input", "breakpoint", "next",
+                              "__import__", "compile", "globals", "locals", "vars"})
+# Methods that change their object: containers' mutators (tensor in-place ops end in "_")
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard",
+                       "setdefault", "popitem", "sort", "reverse", "register_buffer", "register_parameter"})
+
+
+def _acts_in_place(name: str) -> bool:
+    return name in _MUTATORS or (name.endswith("_") and not name.startswith("_"))
+
+
 def _int_literal(expr: ast.AST) -> bool:
     """`0`, `-1`: an int index, written as a literal."""
     if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
@@ -143,8 +171,12 @@ class Callees:
     readable source."""
 
     def __init__(self, fn_def: ast.FunctionDef | ast.Lambda, namespace: Mapping[str, object],
-                 owner: type | None = None, depth: int = 0, instance: bool = True, trusted: list | None = None):
+                 owner: type | None = None, depth: int = 0, instance: bool = True, trusted: list | None = None,
+                 effects: bool = False):
         self.fn_def, self.namespace, self.owner, self.depth = fn_def, namespace, owner, depth
+        # what the reading looks for: ops that may leave rows where there are none (False), or effects
+        # beyond a call's value (True: `effect_of`)
+        self.effects = effects
         # (look-up, key, object) for every object of a namespace or class the reading relied on: the proof
         # holds only while each look-up still gives that object (see still_trusted)
         self.trusted = trusted if trusted is not None else []
@@ -174,6 +206,8 @@ class Callees:
             return f"`{ast.unparse(func)[:40]}`, whose callee is not known here"
         root = _root(func)
         if self._of_instance(func):
+            if self.effects and _acts_in_place(func.attr):
+                return f"`{ast.unparse(func)[:40]}`"  # `self.stats.append(y)`, `self.buffer.add_(y)`
             if isinstance(func.value, ast.Name) and self.owner is not None:
                 return self._method_dropping(func.attr)
             return None  # `self.experts[i].forward(x)`, `self.shared.act(x)`: submodules
@@ -184,6 +218,8 @@ class Callees:
                 if obj is not _UNKNOWN:
                     self.trusted.append((functools.partial(getattr, resolved), func.attr, obj))
                     return self._object_dropping(ast.unparse(func), inspect.getattr_static(resolved, func.attr, obj))
+        if self.effects:  # a torch function or a tensor method: in place, or a container's mutator
+            return f"`{ast.unparse(func)[:40]}`" if _acts_in_place(func.attr) else None
         found = _op_dropping(func.attr, call, self.made)  # a torch function or a tensor method (`y.mean(0)`)
         return f"`{found}`" if found is not None else None
 
@@ -203,7 +239,7 @@ class Callees:
             self.trusted.append((self.namespace.get, name, self.namespace[name]))
             return self._object_dropping(name, self.namespace[name], call)
         if isinstance(getattr(builtins, name, None), types.BuiltinFunctionType | type):
-            return f"`{name}`" if name in _ROW_BUILTINS else None
+            return f"`{name}`" if name in (_EFFECT_BUILTINS if self.effects else _ROW_BUILTINS) else None
         return f"`{name}`, which is not known here"
 
     def _of_instance(self, expr: ast.AST) -> bool:
@@ -214,8 +250,8 @@ class Callees:
         if isinstance(binding, ast.FunctionDef):
             return self._body_dropping(name, binding, self.namespace)
         if isinstance(binding, ast.For):  # `for expert in self.experts`: an item of the instance's
-            iterated = [n for n in ast.walk(binding.iter) if isinstance(n, ast.Attribute)]
-            if iterated and all(self._of_instance(n) for n in iterated):
+            iterated = _iterated_for(name, binding.target, binding.iter)
+            if iterated is not None and self._of_instance(iterated):
                 return None
             return f"`{name}`, a loop variable whose callee is not known here"
         value = binding.value if isinstance(binding, ast.Assign) and len(binding.targets) == 1 else None
@@ -232,6 +268,11 @@ class Callees:
         if isinstance(value, ast.Call) and _is_module_class(self._resolved(value.func)):
             return None  # `act = SiluAndMul()` (SGLang): a module made in the function
         return f"`{name}`, a local whose callee is not known here"
+
+    def resolved(self, expr: ast.expr) -> object | None:
+        """The object a global or dotted name of the namespace stands for, or None."""
+        found = self._resolved(expr)
+        return None if found is _UNKNOWN else found
 
     def _resolved(self, expr: ast.expr) -> object:
         """The object a global name or a dotted name of the namespace stands for (_UNKNOWN otherwise)."""
@@ -265,8 +306,10 @@ class Callees:
         if isinstance(obj, torch.nn.Module) or _is_module_class(obj):
             return None
         if getattr(builtins, getattr(obj, "__name__", ""), None) is obj:
-            return f"`{name}`" if obj.__name__ in _ROW_BUILTINS else None
+            return f"`{name}`" if obj.__name__ in (_EFFECT_BUILTINS if self.effects else _ROW_BUILTINS) else None
         if any(getattr(owner, getattr(obj, "__name__", ""), None) is obj for owner in (torch, torch.nn.functional)):
+            if self.effects:
+                return f"`{name}`" if _acts_in_place(obj.__name__) else None
             found = _op_dropping(obj.__name__, call)
             return f"`{name}` (torch's `{found}`)" if found is not None else None
         if isinstance(obj, types.FunctionType):
@@ -291,19 +334,40 @@ class Callees:
         if self.depth >= _DEPTH:
             return f"`{name}`, a call too deep to read"
         if isinstance(definition, ast.Lambda):  # a lambda of this scope: its free names are ours
-            inner = Callees(definition, namespace, None, self.depth + 1, instance=False, trusted=self.trusted)
+            inner = Callees(definition, namespace, None, self.depth + 1, instance=False, trusted=self.trusted,
+                            effects=self.effects)
             inner.local = {**self.local, **inner.local}
             inner.params |= self.params
             inner.this = self.this
         else:
             inner = Callees(definition, namespace, owner, self.depth + 1, instance=owner is not None,
-                            trusted=self.trusted)
+                            trusted=self.trusted, effects=self.effects)
         body = definition.body if isinstance(definition, ast.FunctionDef) else [definition.body]
-        found = next(filter(None, (row_dropping(stmt, inner) for stmt in body)), None)
+        read = effect_of if self.effects else row_dropping
+        found = next(filter(None, (read(stmt, inner) for stmt in body)), None)
         return f"`{name}` ({found} in its body)" if found is not None else None
 
 
 _UNKNOWN = object()
+
+
+def _iterated_for(name: str, target: ast.expr, iterated: ast.expr) -> ast.expr | None:
+    """What `name` takes its values from in `for <target> in <iterated>`: `self.experts` for `expert` in
+    `for expert in self.experts`, `for i, expert in enumerate(self.experts)` and `for expert, rows in
+    zip(self.experts, pieces)`; None where that cannot be told."""
+    if isinstance(target, ast.Name):
+        return iterated if target.id == name else None
+    if not isinstance(target, ast.Tuple) or not isinstance(iterated, ast.Call) or iterated.keywords and call_name(
+            iterated) == "enumerate":
+        return None
+    position = next((i for i, t in enumerate(target.elts) if isinstance(t, ast.Name) and t.id == name), None)
+    if position is None:
+        return None
+    if call_name(iterated) == "enumerate" and isinstance(iterated.func, ast.Name) and len(iterated.args) == 1:
+        return iterated.args[0] if position == 1 else None
+    if call_name(iterated) == "zip" and isinstance(iterated.func, ast.Name) and len(iterated.args) == len(target.elts):
+        return iterated.args[position]
+    return None
 
 
 def still_trusted(trusted) -> bool:
