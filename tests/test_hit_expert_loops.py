@@ -920,3 +920,43 @@ def test_ungated_experts_are_declined_with_their_form_named(activation, named):
     assert report.graph_count == 1 and not report.fused and len(report.declined) == 1, str(report)
     assert f"an ungated MLP, down({named}(up(x)))" in report.declined[0].reason, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class HitList(torch.nn.Module):
+    """SmallThinker's remote code: the hit experts read to the host as Python ints, then looped over."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 8, bias=False)
+        self.experts = torch.nn.ModuleList(GatedExpert(8) for _ in range(8))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=8).permute(2, 1, 0)
+        hit = (mask.sum(dim=(-1, -2)) > 0).nonzero(as_tuple=True)[0].tolist()
+        for e in hit:
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+class HitListOfTheFunction(HitList):
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=8).permute(2, 1, 0)
+        hit = torch.nonzero(mask.sum(dim=(-1, -2)) > 0, as_tuple=True)[0].tolist()
+        for e in hit:
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("cls", [HitList, HitListOfTheFunction], ids=lambda c: c.__name__)
+def test_a_loop_over_the_hit_experts_read_as_ints_is_one_graph_and_fused(cls):
+    torch.manual_seed(0)
+    model, inputs = cls().eval(), (torch.randn(3, 8),)  # 3 tokens, top-2 of 8: some unchosen
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count, len(recorder.fused_nodes())) == (1, 0, 1), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

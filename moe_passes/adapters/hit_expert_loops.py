@@ -239,6 +239,55 @@ def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ..
     return mask.id, dims
 
 
+def _hit_list_operand(value: ast.AST) -> ast.AST | None:
+    """T for `T.nonzero(as_tuple=True)[0].tolist()` or `torch.nonzero(T, as_tuple=True)[0].tolist()`: the
+    first coordinates of T's non-zero entries, as Python ints (SmallThinker's hit experts)."""
+    if call_name(value) != "tolist" or not isinstance(value.func, ast.Attribute) or value.args:
+        return None
+    first = value.func.value
+    if not (isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Constant) and first.slice.value == 0):
+        return None
+    call = first.value
+    if call_name(call) != "nonzero" or not any(
+            k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords):
+        return None
+    if len(call.keywords) != 1 or not isinstance(call.func, ast.Attribute):
+        return None
+    base = call.func.value
+    if isinstance(base, ast.Name) and base.id == "torch":
+        return call.args[0] if len(call.args) == 1 else None
+    return base if not call.args else None
+
+
+def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
+    """`hit = T.nonzero(as_tuple=True)[0].tolist()` read only by `for e in hit:` becomes `hit = T.nonzero()`
+    and `for row in hit: e = int(row[0])`, in place: the same numbers in the same order (the first
+    coordinate of each non-zero entry, in nonzero's order), in the spelling the hit-loop proof reads
+    (the expert's number under an alias, as LongCat-Flash writes it)."""
+    assignments = bindings(fn_def)
+    loops = [n for n in walk_function(fn_def) if isinstance(n, ast.For) and isinstance(n.iter, ast.Name)
+             and isinstance(n.target, ast.Name) and not n.orelse and n.body]
+    for loop in loops:
+        hit = loop.iter.id
+        bound = assignments.get(hit, [])
+        if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
+            continue
+        operand = _hit_list_operand(bound[0].value)
+        reads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and n.id == hit and isinstance(n.ctx, ast.Load)]
+        if operand is None or reads != [loop.iter]:
+            continue
+        bound[0].value = ast.copy_location(
+            ast.Call(ast.Attribute(operand, "nonzero", ast.Load()), [], []), bound[0].value)
+        row = f"{_INDEX}_row_{loop.target.id}"
+        alias = ast.parse(f"{loop.target.id} = int({row}[0])").body[0]
+        for part in ast.walk(alias):
+            if isinstance(part, ast.expr | ast.stmt):
+                ast.copy_location(part, loop.body[0])
+        loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
+        loop.body = [alias, *loop.body]
+    ast.fix_missing_locations(fn_def)
+
+
 def _selects_row(expr: ast.AST, mask: str, var: str) -> bool:
     """`M[var]` through view-like methods (`.squeeze(0)`, ...)."""
     expr = strip_methods(expr, VIEW_METHODS | {"squeeze", "flatten"})
@@ -1111,6 +1160,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     `if rows.numel() > 0:` around the work and `if rows.shape[0] == 0: continue` before it.
     """
     fn_def, filename = function_source(fn)
+    _hit_lists_as_rows(fn_def)
     link_parents(fn_def)
     assignments = bindings(fn_def)
     namespace = namespace_of(fn)
