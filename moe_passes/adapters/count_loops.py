@@ -30,7 +30,7 @@ import dataclasses
 import types
 from collections.abc import Mapping
 
-from .row_maps import Callees, row_dropping
+from .row_maps import Callees, acting_call, row_dropping
 from .source_ast import (
     VIEW_METHODS,
     NotAdaptable,
@@ -268,11 +268,11 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
     # every call but the appends acts only through its value (a helper storing a statistic of the rows on
     # the module would store one for an expert with none)
     effects = Callees(fn_def, namespace, owner, effects=True, trusted=callees.trusted)
-    appends = {id(stmt.value) for stmt in body if _appends_to_a_name(stmt)}
-    for node in (n for stmt in body for n in ast.walk(stmt)):
-        if isinstance(node, ast.Call) and id(node) not in appends and (found := effects.call_dropping(node)):
-            raise NotAdaptable(f"line {node.lineno}: the call `{ast.unparse(node)[:50]}` in the loop over the counts "
-                               f"goes through {found}, which may act for an expert with no rows")
+    acting = acting_call(body, {id(stmt.value) for stmt in body if _appends_to_a_name(stmt)}, effects)
+    if acting is not None:
+        call, found = acting
+        raise NotAdaptable(f"line {call.lineno}: the call `{ast.unparse(call)[:50]}` in the loop over the counts "
+                           f"goes through {found}, which may act for an expert with no rows")
     return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), tuple(callees.trusted))
 
 

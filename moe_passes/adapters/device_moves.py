@@ -37,13 +37,12 @@ _HELPERS = "__moe_passes_device_moves"
 
 def moved(obj, *args, **kwargs):
     """`obj.to(*args, **kwargs)`, or `obj` itself where that call would move nothing: `obj` is a module
-    whose class keeps nn.Module's `to`, the one argument (positional or `device=`) a device, as a string or a torch.device, and every
-    parameter and buffer of the module on it."""
+    whose class keeps nn.Module's `to` (a module of its own `to`, residency bookkeeping, is called as
+    written), the one argument (positional or `device=`) a device, as a string or a torch.device, and
+    every parameter and buffer of the module on it."""
     device = args[0] if len(args) == 1 and not kwargs else kwargs["device"] if not args and set(kwargs) == {"device"} else None
-    # `type(obj).to` is nn.Module's: a module of its own `to` (residency bookkeeping) is called as written;
-    # isinstance with a tuple: dynamo 2.9
-    own_to = isinstance(obj, torch.nn.Module) and type(obj).to is not torch.nn.Module.to
-    if isinstance(obj, torch.nn.Module) and not own_to and isinstance(device, (str, torch.device)):
+    module = isinstance(obj, torch.nn.Module) and type(obj).to is torch.nn.Module.to
+    if module and isinstance(device, (str, torch.device)):  # isinstance with a tuple: dynamo 2.9
         target = torch.device(device)
         if all(t.device == target for t in obj.parameters()) and all(t.device == target for t in obj.buffers()):
             return obj

@@ -105,7 +105,7 @@ from .host_reads import (
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_ids, present_loop
-from .row_maps import Callees, still_trusted
+from .row_maps import Callees, acting_call, still_trusted
 from .source_ast import (
     VIEW_METHODS,
     Decisions,
@@ -113,10 +113,12 @@ from .source_ast import (
     bindings,
     boolean_by_construction,
     call_name,
+    changes_in_place,
     decided,
     defining_bindings,
     function_source,
     loop_index,
+    moves_itself,
     namespace_of,
     number_read,
     skip_test,
@@ -645,14 +647,6 @@ def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
             and not any(_membership_by_hash(n) for n in ast.walk(test)))
 
 
-def _changes_in_place(node: ast.AST, name: str) -> bool:
-    """`name[...] = v`, `name[...] += v` or `name.op_(...)`: the tensor bound to `name` changed where it is."""
-    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
-        return isinstance(node.value, ast.Name) and node.value.id == name
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == name and node.func.attr.endswith("_") and not node.func.attr.startswith("__"))
-
-
 def _membership_by_hash(node: ast.AST) -> bool:
     """`x in S` with S not a tuple or list written out: a set or dict looks a tensor up by identity (never
     found) and an int by value, so the row and its Python index may test differently."""
@@ -839,7 +833,7 @@ def _check_body(
 
     def visit(statements):
         for stmt in statements:
-            if _moves_itself(stmt):
+            if moves_itself(stmt):
                 continue  # `out = out.to(device)`: the same values under the same name, for any expert
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
@@ -968,12 +962,11 @@ def _check_calls(loop: ast.For, callees: Callees) -> None:
     other constructs passed, so a construct stopping the proof first is the one named."""
     accumulations = {id(stmt.value) for stmt in ast.walk(loop) if isinstance(stmt, ast.Expr)
                      and call_name(stmt.value) in _ACCUMULATORS}
-    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
-        if isinstance(node, ast.Call) and id(node) not in accumulations:
-            found = callees.call_dropping(node)
-            if found is not None:
-                raise NotAdaptable(f"line {node.lineno}: the call `{ast.unparse(node)[:50]}` in the loop body goes "
-                                   f"through {found}, which may act for an expert no token chose")
+    acting = acting_call(loop.body, accumulations, callees)
+    if acting is not None:
+        call, found = acting
+        raise NotAdaptable(f"line {call.lineno}: the call `{ast.unparse(call)[:50]}` in the loop body goes "
+                           f"through {found}, which may act for an expert no token chose")
 
 
 def _torch_context(expr: ast.expr, callees: Callees | None) -> bool:
@@ -983,22 +976,6 @@ def _torch_context(expr: ast.expr, callees: Callees | None) -> bool:
         return False
     made = callees.resolved(expr.func) if callees is not None else None
     return isinstance(made, type) and (made.__module__ or "").split(".")[0] == "torch"
-
-
-_MOVES = {"to", "cpu", "cuda", "contiguous"}
-
-
-def _moves_itself(stmt: ast.stmt) -> bool:
-    """`N = N.to(...)` (or `.cpu()`, `.cuda()`, `.contiguous()`): a device move or layout change that keeps
-    N's values (LLM Foundry moves its accumulator and weights to each expert's device in the loop)."""
-    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-        return False
-    value = stmt.value
-    return (call_name(value) in _MOVES and isinstance(value.func, ast.Attribute)
-            and isinstance(value.func.value, ast.Name) and value.func.value.id == stmt.targets[0].id
-            and not any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value not in ("cpu", "cuda")
-                        for a in value.args)
-            and not any(k.arg == "dtype" for k in value.keywords))
 
 
 def _cut_rows(stmt: ast.stmt, rows: dict[str, int]) -> str | None:
@@ -1235,7 +1212,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
         mask, dims = _hit_test_mask(operand, assignments)
         if any(bound[0].lineno < b.lineno < node.lineno for b in assignments.get(mask, [])) or any(
-                bound[0].lineno < getattr(n, "lineno", 0) < node.lineno and _changes_in_place(n, mask)
+                bound[0].lineno < getattr(n, "lineno", 0) < node.lineno and changes_in_place(n, mask)
                 for n in walk_function(fn_def)):
             raise NotAdaptable(f"line {node.lineno}: {mask} is bound again between the hit test and the loop, so "
                                "the rows the loop selects are not those the hit test tested")

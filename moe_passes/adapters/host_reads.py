@@ -59,7 +59,9 @@ from .source_ast import (
     bindings,
     boolean_by_construction,
     call_name,
+    changes_in_place,
     loop_index,
+    moves_itself,
     number_read,
     span,
     strip_methods,
@@ -131,22 +133,9 @@ def _bound_once_in(loop: ast.For, name: str) -> bool:
     """`name` is bound once in the loop (by its target or one statement of the body; `name =
     name.to(...)` keeps its values) and no statement changes it in place."""
     binding = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == name
-               and isinstance(n.ctx, ast.Store) and not _moved(stmt, name)]
+               and isinstance(n.ctx, ast.Store) and not moves_itself(stmt)]
     binding += [n for n in ast.walk(loop.target) if isinstance(n, ast.Name) and n.id == name]
-    in_place = [n for stmt in loop.body for n in ast.walk(stmt) if (
-        isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
-        and n.value.id == name) or (
-        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
-        and n.func.value.id == name and n.func.attr.endswith("_") and not n.func.attr.startswith("__"))]
-    return len(binding) == 1 and not in_place
-
-
-def _moved(stmt: ast.stmt, name: str) -> bool:
-    """`name = name.to(...)` (`.cpu()`, `.cuda()`, `.contiguous()`): the same values, moved."""
-    return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-            and stmt.targets[0].id == name and call_name(stmt.value) in ("to", "cpu", "cuda", "contiguous")
-            and isinstance(stmt.value.func, ast.Attribute) and isinstance(stmt.value.func.value, ast.Name)
-            and stmt.value.func.value.id == name and not any(k.arg == "dtype" for k in stmt.value.keywords))
+    return len(binding) == 1 and not any(changes_in_place(n, name) for stmt in loop.body for n in ast.walk(stmt))
 
 
 def _pairs(stmt: ast.Assign) -> list[tuple[str, ast.expr]]:

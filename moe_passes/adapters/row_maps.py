@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .source_ast import NotAdaptable, call_name, function_source, namespace_of
+from .source_ast import NotAdaptable, call_name, function_source, in_place_name, namespace_of
 
 _REDUCTIONS = frozenset({
     "sum", "mean", "prod", "max", "min", "amax", "amin", "aminmax", "std", "var", "std_mean", "var_mean",
@@ -81,7 +81,16 @@ _MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "
 
 
 def _acts_in_place(name: str) -> bool:
-    return name in _MUTATORS or (name.endswith("_") and not name.startswith("_"))
+    return name in _MUTATORS or in_place_name(name)
+
+
+def acting_call(statements: list[ast.stmt], skipped: set[int], callees: Callees) -> tuple[ast.Call, str] | None:
+    """The first call in `statements` (other than those whose id is in `skipped`, read by the caller) that
+    may act beyond its value, with what `callees` (reading for effects) found, or None."""
+    for node in (n for stmt in statements for n in ast.walk(stmt)):
+        if isinstance(node, ast.Call) and id(node) not in skipped and (found := callees.call_dropping(node)):
+            return node, found
+    return None
 
 
 def _int_literal(expr: ast.AST) -> bool:

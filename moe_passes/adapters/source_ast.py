@@ -141,6 +141,35 @@ def number_read(expr: ast.AST) -> ast.AST | None:
     return None
 
 
+def in_place_name(method: str) -> bool:
+    """`add_`, `mul_`: a tensor method that changes its tensor (dunders aside)."""
+    return method.endswith("_") and not method.startswith("__")
+
+
+def changes_in_place(node: ast.AST, name: str) -> bool:
+    """`name[...] = v`, `name[...] += v` or `name.op_(...)`: the tensor bound to `name` changed where it is."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+        return isinstance(node.value, ast.Name) and node.value.id == name
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == name and in_place_name(node.func.attr))
+
+
+_MOVES = {"to", "cpu", "cuda", "contiguous"}
+
+
+def moves_itself(stmt: ast.stmt) -> bool:
+    """`N = N.to(...)` (or `.cpu()`, `.cuda()`, `.contiguous()`): a device move or layout change that keeps
+    N's values (LLM Foundry moves its accumulator and weights to each expert's device in the loop)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    value = stmt.value
+    return (call_name(value) in _MOVES and isinstance(value.func, ast.Attribute)
+            and isinstance(value.func.value, ast.Name) and value.func.value.id == stmt.targets[0].id
+            and not any(isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value not in ("cpu", "cuda")
+                        for a in value.args)
+            and not any(k.arg == "dtype" for k in value.keywords))
+
+
 def loads(node: ast.AST) -> set[str]:
     """Names read anywhere in `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
