@@ -41,6 +41,12 @@ LitGPT) select tokens by the zipped element as `range` loops do by `mask[e]`.
 Loops over the ids present (`for e in ids.unique().tolist():`) run over every expert where the body's
 only effect is one accumulation at `torch.where(ids == e)` (`present_ids` says why that is exact).
 
+A loop over chunks of an expert's rows inside an expert loop (`for i in range(0, n, CHUNK)` slicing
+`[i : i + CHUNK]`) is replaced first by its body run once over all the rows, where `chunk_loops` and
+this proof show that exact; the loop around it is then proved as if written so. In a loop body, `del`
+of the body's names and an in-place op on an expert's output (or on a gather at the rows) are taken:
+neither changes a value outside the iteration, and for an expert not hit the tensor has no element.
+
 Loops over per-expert counts (`for i, n in enumerate(counts): if n == 0: continue`, DeepSeek-V2 4.x)
 lose that guard when `count_loops` proves it removable, and methods that read per-expert counts as
 numbers (`.tolist()`, such a loop, or the counts handed to a submodule) have `capture_scalar_outputs`
@@ -70,6 +76,7 @@ from copy import deepcopy
 
 import torch
 
+from .chunk_loops import ChunkLoop, check_slices, chunk_loop, inline, row_wise
 from .count_loops import (
     CountLoop,
     FixedCounts,
@@ -104,7 +111,7 @@ from .host_reads import (
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
-from .present_ids import PresentLoop, present_experts, present_ids, present_loop
+from .present_ids import PresentLoop, present_experts, present_loop, present_sequence
 from .row_maps import Callees, acting_call, still_trusted
 from .source_ast import (
     VIEW_METHODS,
@@ -117,6 +124,7 @@ from .source_ast import (
     decided,
     defining_bindings,
     function_source,
+    in_place_name,
     loop_index,
     moves_itself,
     namespace_of,
@@ -180,6 +188,18 @@ def _nonzero_operand(value: ast.AST) -> ast.AST | None:
     return None
 
 
+def _hit_operand(value: ast.AST) -> tuple[ast.AST, bool] | None:
+    """(C, flattened) when `value` is `C.nonzero()` (`_nonzero_operand`), or `C.nonzero().reshape(-1, 1)`, the
+    spelling `_hit_lists_as_rows` gives a flattened hit list (`flattened` True)."""
+    if (call_name(value) == "reshape" and isinstance(value.func, ast.Attribute) and not value.keywords
+            and len(value.args) == 2 and _minus_one(value.args[:1])
+            and isinstance(value.args[1], ast.Constant) and value.args[1].value == 1):
+        operand = _nonzero_operand(value.func.value)
+        return (operand, True) if operand is not None else None
+    operand = _nonzero_operand(value)
+    return (operand, False) if operand is not None else None
+
+
 def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset()) -> bool:
     """`one_hot(...)` through view-like methods, directly or through names whose every binding is one
     (`m = one_hot(ids, E); m = m.permute(2, 1, 0)`): such a tensor is non-negative wherever it is read."""
@@ -241,15 +261,18 @@ def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ..
     return mask.id, dims
 
 
-def _hit_list_operand(value: ast.AST) -> ast.AST | None:
-    """T for `T.nonzero(as_tuple=True)[0].tolist()` or `torch.nonzero(T, as_tuple=True)[0].tolist()`: the
-    first coordinates of T's non-zero entries, as Python ints (SmallThinker's hit experts)."""
-    if call_name(value) != "tolist" or not isinstance(value.func, ast.Attribute) or value.args:
+def _hit_list_operand(value: ast.AST) -> tuple[ast.AST, bool] | None:
+    """(T, flattened) for the hit experts of T, as a tensor of numbers (its `.tolist()` is the hit list):
+    `T.nonzero(as_tuple=True)[0]` or `torch.nonzero(T, as_tuple=True)[0]`, the first coordinates of T's
+    non-zero entries (SmallThinker), or `torch.nonzero(T).flatten()` (also `.view(-1)`, `.reshape(-1)`),
+    every coordinate in order: the same numbers where T is 1-D (MiniMax-M2), `flattened` True."""
+    if (call_name(value) in ("flatten", "view", "reshape") and isinstance(value.func, ast.Attribute)
+            and not value.keywords and (not value.args if value.func.attr == "flatten" else _minus_one(value.args))):
+        operand = _nonzero_operand(value.func.value)
+        return (operand, True) if operand is not None else None
+    if not (isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 0):
         return None
-    first = value.func.value
-    if not (isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Constant) and first.slice.value == 0):
-        return None
-    call = first.value
+    call = value.value
     if call_name(call) != "nonzero" or not any(
             k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords):
         return None
@@ -257,29 +280,57 @@ def _hit_list_operand(value: ast.AST) -> ast.AST | None:
         return None
     base = call.func.value
     if isinstance(base, ast.Name) and base.id == "torch":
-        return call.args[0] if len(call.args) == 1 else None
-    return base if not call.args else None
+        return (call.args[0], False) if len(call.args) == 1 else None
+    return (base, False) if not call.args else None
+
+
+def _minus_one(args: list[ast.expr]) -> bool:
+    """`(-1)` or `((-1,))`: the arguments of a flattening view."""
+    if len(args) == 1 and isinstance(args[0], ast.Tuple | ast.List):
+        args = args[0].elts
+    return len(args) == 1 and isinstance(args[0], ast.UnaryOp) and isinstance(args[0].op, ast.USub) and (
+        isinstance(args[0].operand, ast.Constant) and args[0].operand.value == 1)
+
+
+def _tolist_of(value: ast.AST) -> ast.AST | None:
+    """X of `X.tolist()`."""
+    if call_name(value) == "tolist" and isinstance(value.func, ast.Attribute) and not value.args and not value.keywords:
+        return value.func.value
+    return None
 
 
 def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
-    """`hit = T.nonzero(as_tuple=True)[0].tolist()` read only by `for e in hit:` becomes `hit = T.nonzero()`
-    and `for row in hit: e = int(row[0])`, in place: the same numbers in the same order (the first
-    coordinate of each non-zero entry, in nonzero's order), in the spelling the hit-loop proof reads
-    (the expert's number under an alias, as LongCat-Flash writes it)."""
+    """A loop over a hit list of ints becomes a loop over the rows of a `nonzero`, in place:
+    `hit = T.nonzero(as_tuple=True)[0].tolist()` read only by `for e in hit:` (or `hit = <that tensor>`
+    read only by `for e in hit.tolist():`) becomes `hit = T.nonzero()` and `for row in hit: e = int(row[0])`,
+    the same numbers in the same order (the first coordinate of each non-zero entry, in nonzero's order), in
+    the spelling the hit-loop proof reads (the expert's number under an alias, as LongCat-Flash writes it).
+    A flattened `nonzero(T).flatten()` becomes `nonzero(T).reshape(-1, 1)`: one row per number, whatever
+    T's dims (the rewrite of the hit test keeps that where it is not proved 1-D, `all_rows`)."""
     assignments = bindings(fn_def)
-    loops = [n for n in walk_function(fn_def) if isinstance(n, ast.For) and isinstance(n.iter, ast.Name)
-             and isinstance(n.target, ast.Name) and not n.orelse and n.body]
+    loops = [n for n in walk_function(fn_def) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
+             and not n.orelse and n.body]
     for loop in loops:
-        hit = loop.iter.id
+        listed = _tolist_of(loop.iter)
+        iterated = listed if listed is not None else loop.iter
+        if not isinstance(iterated, ast.Name):
+            continue
+        hit = iterated.id
         bound = assignments.get(hit, [])
         if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
             continue
-        operand = _hit_list_operand(bound[0].value)
+        tensor = bound[0].value if listed is not None else _tolist_of(bound[0].value)
+        found = _hit_list_operand(tensor) if tensor is not None else None
         reads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and n.id == hit and isinstance(n.ctx, ast.Load)]
-        if operand is None or reads != [loop.iter]:
+        if found is None or reads != [iterated]:
             continue
-        bound[0].value = ast.copy_location(
-            ast.Call(ast.Attribute(operand, "nonzero", ast.Load()), [], []), bound[0].value)
+        operand, flattened = found
+        rows = ast.Call(ast.Attribute(operand, "nonzero", ast.Load()), [], [])
+        if flattened:
+            rows = ast.Call(ast.Attribute(rows, "reshape", ast.Load()), [ast.UnaryOp(ast.USub(), ast.Constant(1)),
+                                                                          ast.Constant(1)], [])
+        bound[0].value = ast.copy_location(rows, bound[0].value)
+        loop.iter = ast.copy_location(ast.Name(hit, ast.Load()), loop.iter)
         row = f"{_INDEX}_row_{loop.target.id}"
         alias = ast.parse(f"{loop.target.id} = int({row}[0])").body[0]
         for part in ast.walk(alias):
@@ -749,15 +800,45 @@ def _skips_on_count(stmt: ast.stmt, var: str) -> str | None:
 
 
 def _selected_by_equality(loop: ast.For, line: int, var: str) -> str | None:
-    """S when the statement at `line` of the loop binds `torch.where(S == var)` (either side)."""
+    """S when the statement at `line` of the loop binds rows that are empty wherever no entry of S equals
+    var: `torch.where(S == var)` (either side), or the non-zero entries of `(S == var).any(dim)` (through
+    flattening views, and names the loop binds once: `mask = S == e; rows = mask.any(-1).nonzero()`)."""
+    once: dict[str, ast.expr] = {}
     for stmt in ast.walk(loop):
-        if isinstance(stmt, ast.Assign) and stmt.lineno == line and call_name(stmt.value) == "where":
-            test = stmt.value.args[0] if len(stmt.value.args) == 1 else None
-            if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
-                sides = [test.left, test.comparators[0]]
-                names = [s.id for s in sides if isinstance(s, ast.Name)]
-                if len(names) == 2 and var in names:
-                    return names[1 - names.index(var)]
+        if isinstance(stmt, ast.Assign):
+            for name in (n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                once[name] = stmt.value if name not in once and len(stmt.targets) == 1 and isinstance(
+                    stmt.targets[0], ast.Name) else None
+    for stmt in ast.walk(loop):
+        if isinstance(stmt, ast.Assign) and stmt.lineno == line:
+            tested = _mask_of_rows(stmt.value)
+            for _ in range(3):  # through names bound once in the loop, and `.any(dim)` of them
+                test = once.get(tested) if tested is not None else None
+                if test is None:
+                    break
+                inner = _any_operand(test)
+                tested = inner.id if isinstance(inner, ast.Name) else None
+                if inner is test:
+                    return _equality_with(test, var)
+            if call_name(stmt.value) == "where" and len(stmt.value.args) == 1:
+                return _equality_with(stmt.value.args[0], var)
+    return None
+
+
+def _any_operand(expr: ast.expr) -> ast.expr:
+    """M of `M.any(dim)` (or `M.any()`), through flattening views; else `expr` itself."""
+    stripped = strip_methods(expr, _FLAT_VIEWS)
+    if call_name(stripped) == "any" and isinstance(stripped.func, ast.Attribute) and not _is_torch(stripped.func.value):
+        return strip_methods(stripped.func.value, _FLAT_VIEWS)
+    return expr
+
+
+def _equality_with(test: ast.expr, var: str) -> str | None:
+    """S for `S == var` or `var == S`."""
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        names = [s.id for s in (test.left, test.comparators[0]) if isinstance(s, ast.Name)]
+        if len(names) == 2 and var in names and names[0] != names[1]:
+            return names[1 - names.index(var)]
     return None
 
 
@@ -807,19 +888,22 @@ def _check_body(
     rows: dict[str, int] = dict(given_rows or {})  # name -> line of the torch.where / nonzero that bound it
     accumulations = []
     guards: list[tuple[int, int]] = []  # (line of the guard, line that bound the rows it tests)
-    mask_guards: list[tuple[int, tuple]] = []  # (line of `if M.any():`, (M, its binding then))
+    # (line of `if M.any():`, (M, its binding then), S where M is `S == var`)
+    mask_guards: list[tuple[int, tuple, str | None]] = []
     masks_of: dict[str, tuple] = {}  # rows name -> (the mask whose non-zero entries they are, its binding)
     versions: dict[str, int] = {}  # name -> how many times the body has bound it so far
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     absent_skips: list[tuple[int, str]] = []  # (line of `if var not in ids: continue`, ids)
     stores: list[int] = []  # lines of `if torch.any(M): T[M] = v`
     booleans: set[str] = set()  # names the body bound to boolean expressions (`mask = ids == e`)
+    fresh: set[str] = set()  # names bound to a gather at the rows, or an expert's output of one: empty with them
+    equal_to: dict[str, ast.expr] = {}  # names the body bound to a comparison, with it (`mask = ids == e`)
     skips: list[int] = []
     loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     body = loop.body
     if mask is not None and body and _unwraps_element(body[0], var):
         body = body[1:]
-    elif mask is not None and body and (alias := _element_alias(body[0], var)) is not None:
+    elif (mask is not None or present_ids is not None) and body and (alias := _element_alias(body[0], var)) is not None:
         body, var = body[1:], alias  # the body reads the expert's number under the alias
 
     def at_mask(accumulation) -> None:
@@ -861,6 +945,13 @@ def _check_body(
                     masks_of.update(dict.fromkeys(stored_names(targets[0]), (masked, versions.get(masked))))
                 if cut is not None:
                     rows[cut] = stmt.lineno  # the first rows of rows empty for an expert not hit: empty too
+                fresh.difference_update(names)
+                for name in names:
+                    equal_to.pop(name, None)
+                if len(names) == 1 and isinstance(stmt.value, ast.Compare):
+                    equal_to[names[0]] = stmt.value
+                if len(names) == 1 and _fresh_at_rows(stmt.value, rows, fresh, callees):
+                    fresh.add(names[0])
                 bound.update(names)
             elif isinstance(stmt, ast.With):
                 if any(item.optional_vars is not None for item in stmt.items):
@@ -879,6 +970,10 @@ def _check_body(
                 at_mask(stmt)
             elif isinstance(stmt, ast.Pass):
                 pass
+            elif isinstance(stmt, ast.Delete) and all(isinstance(t, ast.Name) and t.id in bound for t in stmt.targets):
+                pass  # `del y`: a name of this iteration unbound, no value changed
+            elif isinstance(stmt, ast.Expr) and _in_place_on(stmt.value) in fresh:
+                pass  # `y.mul_(w)` on an expert's output: nothing for an expert not hit, whose y is empty
             elif (source := _emptiness_guard(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))
                 visit(stmt.body)
@@ -886,10 +981,11 @@ def _check_body(
                     tested in stored_names(t) for n in stmt.body for a in ast.walk(n)
                     if isinstance(a, ast.Assign | ast.AugAssign | ast.AnnAssign)
                     for t in (a.targets if isinstance(a, ast.Assign) else [a.target])):
-                mask_guards.append((stmt.lineno, (tested, versions.get(tested))))  # the `elif` arm stays, as written
+                mask_guards.append((stmt.lineno, (tested, versions.get(tested)), None))  # the `elif` arm stays, as written
                 visit(stmt.body)
             elif (tested := _skipped_unless_any(stmt, booleans)) is not None and tested in bound:
-                mask_guards.append((stmt.lineno, (tested, versions.get(tested))))
+                # `if not M.any(): continue`; where M is `S == var`, that is `var not in S` too
+                mask_guards.append((stmt.lineno, (tested, versions.get(tested)), _equality_with(equal_to.get(tested), var)))
             elif _store_at_tested_mask(stmt, bound) is not None:
                 stores.append(stmt.lineno)
             elif (source := _skip_when_empty(stmt, rows)) is not None:
@@ -925,7 +1021,10 @@ def _check_body(
             _selected_by_equality(loop, accumulated_rows, var) != present_ids or present_ids in bound):
         raise NotAdaptable(f"line {accumulated_rows}: the accumulation's rows are not `torch.where({present_ids} == "
                            f"{var})`, so an expert absent from {present_ids} may add something")
-    for line, tested in mask_guards:
+    for line, tested, equal_in in mask_guards:
+        if masks_of.get(accumulated_at) != tested and equal_in is not None:
+            absent_skips.append((line, equal_in))  # checked below as `if var not in S: continue`
+            continue
         if masks_of.get(accumulated_at) != tested:
             raise NotAdaptable(
                 f"line {line}: the guard tests {tested[0]} as bound there, not the mask whose non-zero entries "
@@ -960,13 +1059,40 @@ def _check_calls(loop: ast.For, callees: Callees) -> None:
     """Every call in the loop body but the accumulations (`out.index_add_(...)` statements, read by
     `_check_body`) acts only through its value (`row_maps.effect_of`): checked last, where the loop's
     other constructs passed, so a construct stopping the proof first is the one named."""
+    bound = {n.id for stmt in ast.walk(loop) if isinstance(stmt, ast.Assign) for t in stmt.targets for n in ast.walk(t)
+             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     accumulations = {id(stmt.value) for stmt in ast.walk(loop) if isinstance(stmt, ast.Expr)
-                     and call_name(stmt.value) in _ACCUMULATORS}
+                     and (call_name(stmt.value) in _ACCUMULATORS or _in_place_on(stmt.value) in bound)}
     acting = acting_call(loop.body, accumulations, callees)
     if acting is not None:
         call, found = acting
         raise NotAdaptable(f"line {call.lineno}: the call `{ast.unparse(call)[:50]}` in the loop body goes "
                            f"through {found}, which may act for an expert no token chose")
+
+
+def _in_place_on(call: ast.expr) -> str | None:
+    """N of `N.op_(...)`, an in-place tensor method called on a name (not an accumulation)."""
+    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+            and in_place_name(call.func.attr) and call.func.attr not in _ACCUMULATORS):
+        return call.func.value.id
+    return None
+
+
+def _fresh_at_rows(value: ast.expr, rows: dict[str, int], fresh: set[str], callees: Callees | None) -> bool:
+    """`value` is a new tensor with no element where the rows are empty: a gather at the rows
+    (`x.index_select(0, rows)`, `x[rows]`, `x[rows, slot]`: copies), or an expert called on such (a module,
+    taken to map rows to rows)."""
+    if isinstance(value, ast.Subscript) and isinstance(value.ctx, ast.Load):
+        first = value.slice.elts[0] if isinstance(value.slice, ast.Tuple) and value.slice.elts else value.slice
+        return isinstance(first, ast.Name) and first.id in rows
+    if call_name(value) == "index_select" and isinstance(value.func, ast.Attribute) and len(value.args) == 2:
+        torch_function = isinstance(value.func.value, ast.Name) and value.func.value.id == "torch"
+        dim, index = (value.args[0], value.args[1]) if not torch_function else (None, None)
+        return isinstance(dim, ast.Constant) and dim.value == 0 and isinstance(index, ast.Name) and index.id in rows
+    if isinstance(value, ast.Call) and callees is not None and callees.an_expert(value.func):
+        return bool(value.args) and not value.keywords and all(
+            (isinstance(a, ast.Name) and a.id in fresh) or _fresh_at_rows(a, rows, fresh, None) for a in value.args)
+    return False
 
 
 def _torch_context(expr: ast.expr, callees: Callees | None) -> bool:
@@ -1120,11 +1246,13 @@ class Plan:
     # parameters whose `.tolist()` sizes a split: numbers are captured only where they have a fixed length
     static_lengths: tuple[str, ...] = ()
     size_lists: frozenset[str] = frozenset()  # host-read lists that size a split: stated >= 0 (host_reads)
+    chunk_loops: tuple[int, ...] = ()  # lines of loops over chunks of an expert's rows, run as one (chunk_loops)
 
     def changes_anything(self) -> bool:
         return bool(
             self.hit_loops or self.guards or self.captures_shapes or self.captures_scalars or self.calls
             or self.list_indices or self.dropped or self.cuts or self.fixed_counts or self.held or self.present_loops
+            or self.chunk_loops
         )
 
 
@@ -1142,6 +1270,10 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     assignments = bindings(fn_def)
     namespace = namespace_of(fn)
     callees = Callees(fn_def, namespace, owner, effects=True)  # what the calls in an expert loop may do
+    chunked = _chunk_loops_as_one(fn_def, callees)
+    if chunked:
+        link_parents(fn_def)
+        assignments = bindings(fn_def)
     loads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     loops, guards, captures, kept, count_loops, lists, selecting, fixed = [], [], False, [], [], [], [], []
     present: list[PresentLoop] = []
@@ -1184,17 +1316,21 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
                 except NotAdaptable as exc:
                     kept.append(f"the `if` that skips an expert with no rows is kept (a graph break): {exc}")
             continue
-        if selects and (ids := present_ids(node.iter)) is not None:  # `for e in ids.unique().tolist():`
-            loop = present_loop(node, ids)
-            removable = _check_body(node, loop.var, None, fn_def, present_ids=ids, callees=callees)[0]
-            _not_read_after(node, loop.var, fn_def)
+        if selects and (sequence := present_sequence(node, assignments, fn_def)) is not None:
+            ids, bound_at = sequence  # `for e in ids.unique().tolist():`, or over `u = torch.unique(ids)`
+            alias = _element_alias(node.body[0], node.target.id) if node.body else None
+            loop = present_loop(node, ids, alias, bound_at)
+            removable = _check_body(node, node.target.id, None, fn_def, present_ids=ids, callees=callees)[0]
+            for name in {node.target.id, loop.var}:
+                _not_read_after(node, name, fn_def)
             _check_calls(node, callees)
             guards.extend(removable)
             present.append(loop)
             continue
         hit = node.iter.value if _is_full_slice(node.iter) else node.iter
         bound = assignments.get(hit.id, []) if isinstance(hit, ast.Name) else []
-        operand = _nonzero_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
+        found = _hit_operand(bound[0].value) if len(bound) == 1 and isinstance(bound[0], ast.Assign) else None
+        operand = found[0] if found is not None else None
         if operand is None:
             index = loop_index(node)
             if selects and index is not None and any(isinstance(s, ast.If) for s in node.body):
@@ -1243,14 +1379,49 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     plan = Plan(
         loops, guards, captures, scalars, tuple(kept), tuple(count_loops), {**adapted_one_hot_calls(fn), **calls},
         tuple(lists), tuple(selecting),
-        _read_only_by(fn_def, set(guards)), cuts, tuple(fixed), present_loops=tuple(present),
+        (*_read_only_by(fn_def, set(guards)), *(p.bound_at for p in present if p.bound_at is not None)),
+        cuts, tuple(fixed), present_loops=tuple(present),
         static_lengths=split_sizes_of_parameters(fn_def, assignments) if scalars else (),
         size_lists=split_size_lists(fn_def, assignments) if scalars else frozenset(),
+        chunk_loops=tuple(chunked),
     )
     if plan.captures_shapes or plan.captures_scalars:
         lengths = data_length_names(fn_def, selected_anywhere | set(pieces))
         check_length_reads(fn_def, lengths, _handled_reads(fn_def, plan))
     return fn_def, filename, plan
+
+
+def _chunk_loops_as_one(fn_def: ast.FunctionDef, callees: Callees) -> list[int]:
+    """Loops over chunks of an expert's rows, replaced in place by their body run once over all the rows
+    where `chunk_loops` and the expert-loop proof show that exact; the lines of those replaced. A chunk loop
+    that is not shown so stays, and the reason is logged (the loop around it is then not adapted)."""
+    assignments = bindings(fn_def)
+    replaced = []
+    for parent in list(walk_function(fn_def)):
+        for field in ("body", "orelse"):
+            statements = getattr(parent, field, None)
+            if not isinstance(statements, list):
+                continue
+            for stmt in list(statements):
+                chunk = chunk_loop(stmt, assignments) if isinstance(stmt, ast.For) else None
+                if chunk is None:
+                    continue
+                try:
+                    _prove_chunk_loop(chunk, fn_def, callees)
+                except NotAdaptable as exc:
+                    log.info("chunk loop kept: %s", exc)
+                    continue
+                inline(chunk, statements)
+                replaced.append(chunk.loop.lineno)
+    return replaced
+
+
+def _prove_chunk_loop(chunk: ChunkLoop, fn_def: ast.FunctionDef, callees: Callees) -> None:
+    """The loop's only effect is one accumulation at a chunk of the rows, computed row by row."""
+    check_slices(chunk)
+    _check_body(chunk.loop, "", None, fn_def, dict.fromkeys(chunk.rows, chunk.bound_at), callees=callees)
+    _check_calls(chunk.loop, callees)
+    row_wise(chunk, callees.an_expert)
 
 
 def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:
@@ -1562,8 +1733,9 @@ class _Rewrite(ast.NodeTransformer):
     def _visit_assign(self, node: ast.Assign):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
             loop = self.by_hit[node.targets[0].id]
-            call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {loop.dims!r})")
-            call.args[0] = _nonzero_operand(node.value)
+            operand, flattened = _hit_operand(node.value)
+            call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {loop.dims!r}, {flattened})")
+            call.args[0] = operand
             new = ast.Assign(
                 targets=[_parse_expr(f"({loop.hit}, {_ALL}_{loop.hit})", ctx=ast.Store())], value=call
             )
@@ -1590,8 +1762,13 @@ class _Rewrite(ast.NodeTransformer):
     def _visit_for(self, node: ast.For):
         present = self.present_loops.get(node.lineno)
         if present is not None:  # over the ids present -> over every expert (present_ids says why)
+            lengths = ", ".join(f"len({c})" for c in present.containers)
+            shortest = lengths if len(present.containers) == 1 else f"min({lengths})"
             node.iter = ast.copy_location(_parse_expr(
-                f"range({_HELPERS}.present_experts({present.ids}, len({present.experts})))"), node.iter)
+                f"range({_HELPERS}.present_experts({present.ids}, {shortest}))"), node.iter)
+            if present.alias is not None:  # `for t in u: e = int(t.item())` -> `for e in range(...)`
+                node.target = ast.copy_location(ast.Name(present.alias, ast.Store()), node.target)
+                node.body = node.body[1:]
             ast.fix_missing_locations(node)
         if node.lineno in self.count_loops:
             node = _NumericBounds(self.count_loops[node.lineno].bounds).visit(node)
@@ -1777,8 +1954,9 @@ def rewrite(fn, fn_def: ast.FunctionDef, filename: str, plan: Plan) -> types.Fun
 # What the rewritten loop calls
 
 
-def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]):
-    """(every row index as nonzero would list it, True), or (test.nonzero(), False) when unproved.
+def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...], flattened: bool = False):
+    """(every row index as nonzero would list it, True), or (test.nonzero(), False) when unproved
+    (`test.nonzero().reshape(-1, 1)` for a flattened hit list: every coordinate, one per row, as written).
 
     The proof needs the hit test to be one flag per leading row of the mask: 1-D, as long as the
     mask's first dim, and reduced over dims that are all the others.
@@ -1786,7 +1964,7 @@ def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]):
     others = {d % mask.dim() for d in dims} if mask.dim() else set()
     if test.dim() == 1 and test.shape[0] == mask.shape[0] and others == set(range(1, mask.dim())):
         return torch.arange(test.shape[0], device=test.device).unsqueeze(-1), True
-    return test.nonzero(), False
+    return (test.nonzero().reshape(-1, 1) if flattened else test.nonzero()), False
 
 
 def rows_to_visit(hit: torch.Tensor, every_row: bool, indexed) -> int:

@@ -15,6 +15,13 @@ in `ids == e` and as the index of the one container of experts, where a Python i
 expert holds), and not after the loop; `unique` sorts by default, as `range` counts. An id outside 0..len-1, which made the original
 raise on `self.experts[e]` (or pick an expert from the end for a negative id), makes the copy raise at
 run time (`present_experts`) rather than skip it.
+
+Also taken (LLMs-from-scratch): the unique ids bound to a name only the loop reads (`u = torch.unique(ids)`,
+ids neither bound again nor changed in place before the loop; the copy drops the binding), the id read
+first as a number (`e = int(t.item())`: the copy loops over `e`, the same ints), several parallel
+containers indexed with it (`self.fc1[e]`, `self.fc2[e]`: the copy runs over the shortest, and an id past
+it raises as above), and rows that are the non-zero entries of `(ids == e).any(dim)` (empty for an absent
+id as `torch.where(ids == e)` is), with `if not (ids == e).any(): continue` (never true for an id present).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import dataclasses
 
 import torch
 
-from .source_ast import NotAdaptable, call_name, strip_methods
+from .source_ast import NotAdaptable, call_name, changes_in_place, strip_methods
 
 # Methods that keep the values of the ids (flattening, host copies) before or after `unique`
 _KEEPS_VALUES = {"flatten", "view", "reshape", "contiguous", "cpu", "tolist", "long", "int"}
@@ -33,9 +40,32 @@ _KEEPS_VALUES = {"flatten", "view", "reshape", "contiguous", "cpu", "tolist", "l
 @dataclasses.dataclass(frozen=True)
 class PresentLoop:
     line: int  # the `for` statement
-    var: str  # the loop variable
+    var: str  # the name the body reads the id under: the loop variable, or its alias
     ids: str  # the name whose unique values the loop visits
-    experts: str  # the container the loop variable indexes (`self.experts`), as written
+    containers: tuple[str, ...]  # the containers the id indexes (`self.experts`, or parallel lists), as written
+    alias: str | None = None  # `e = int(t.item())`, the body's first statement: the copy loops over `e` itself
+    bound_at: int | None = None  # the line of `u = torch.unique(ids)` where the loop iterates `u`
+
+
+def present_sequence(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> tuple[str, int | None] | None:
+    """(ids, line) when `loop` iterates the unique values of ids (`present_ids`), written in the `for` (line
+    None) or bound once to a name the loop alone reads (`u = torch.unique(ids)`, line of that binding),
+    ids not bound again nor changed in place between the two; else None."""
+    ids = present_ids(loop.iter)
+    if ids is not None or not isinstance(loop.iter, ast.Name):
+        return (ids, None) if ids is not None else None
+    bound = assignments.get(loop.iter.id, [])
+    if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
+        return None
+    ids = present_ids(bound[0].value)
+    reads = [n for n in ast.walk(fn_def) if isinstance(n, ast.Name) and n.id == loop.iter.id and isinstance(n.ctx, ast.Load)]
+    if ids is None or reads != [loop.iter]:
+        return None
+    between = range(bound[0].lineno + 1, loop.lineno)
+    if any(getattr(b, "lineno", 0) in between for b in assignments.get(ids, [])) or any(
+            getattr(n, "lineno", 0) in between and changes_in_place(n, ids) for n in ast.walk(fn_def)):
+        return None
+    return ids, bound[0].lineno
 
 
 def present_ids(sequence: ast.AST) -> str | None:
@@ -72,16 +102,21 @@ def _builtin_call(expr: ast.AST, name: str) -> bool:
             and len(expr.args) == 1 and not expr.keywords)
 
 
-def present_loop(loop: ast.For, ids: str) -> PresentLoop:
+def present_loop(loop: ast.For, ids: str, alias: str | None = None, bound_at: int | None = None) -> PresentLoop:
     """The loop over the values of `ids` read as a loop over every expert, else NotAdaptable naming why.
-    The body's proof (one accumulation at rows where `ids == var`) is the expert-loop adapter's."""
+    The body's proof (one accumulation at rows where `ids == var`) is the expert-loop adapter's. With
+    `alias`, the body's first statement reads the id as a number under that name, and the rest of the body
+    reads it so."""
     if not isinstance(loop.target, ast.Name) or loop.orelse:
         raise NotAdaptable(f"line {loop.lineno}: the loop over the ids present has a target other than one name, "
                            "or an else")
-    var = loop.target.id
+    var = alias if alias is not None else loop.target.id
+    body = loop.body[1:] if alias is not None else loop.body
+    if alias is not None and any(isinstance(n, ast.Name) and n.id == loop.target.id for s in body for n in ast.walk(s)):
+        raise NotAdaptable(f"line {loop.lineno}: the loop variable {loop.target.id} is read beside its alias {alias}")
     parents = {child: node for node in ast.walk(loop) for child in ast.iter_child_nodes(node)}
     containers = set()
-    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+    for node in (n for stmt in body for n in ast.walk(stmt)):
         if not (isinstance(node, ast.Name) and node.id == var and isinstance(node.ctx, ast.Load)):
             continue
         parent = parents[node]
@@ -91,10 +126,10 @@ def present_loop(loop: ast.For, ids: str) -> PresentLoop:
             raise NotAdaptable(f"line {node.lineno}: the id {var} is used other than in `{ids} == {var}` or "
                                "indexing the experts (a test of it, `e == n_routed`, may single out ids no "
                                "expert holds; `unique` yields it as a tensor or an int, `range` as an int)")
-    if len(containers) != 1:
-        raise NotAdaptable(f"line {loop.lineno}: the loop over the ids present indexes "
-                           f"{'no' if not containers else 'more than one'} container of experts with {var}")
-    return PresentLoop(loop.lineno, var, ids, containers.pop())
+    if not containers:
+        raise NotAdaptable(f"line {loop.lineno}: the loop over the ids present indexes no container of experts "
+                           f"with {var}")
+    return PresentLoop(loop.lineno, var, ids, tuple(sorted(containers)), alias, bound_at)
 
 
 def _compared_with(node: ast.AST, ids: str) -> bool:

@@ -251,6 +251,15 @@ class Callees:
             return f"`{name}`" if name in (_EFFECT_BUILTINS if self.effects else _ROW_BUILTINS) else None
         return f"`{name}`, which is not known here"
 
+    def an_expert(self, func: ast.expr) -> bool:
+        """`func` is `self.experts[e]`, or a local bound only to such an item: a module of the instance's."""
+        if isinstance(func, ast.Subscript):
+            return self._of_instance(func)
+        if isinstance(func, ast.Name) and func.id in self.local and func.id not in self.params:
+            return all(isinstance(b, ast.Assign) and isinstance(b.value, ast.Subscript) and self._of_instance(b.value)
+                       for b in self.local[func.id])
+        return False
+
     def _of_instance(self, expr: ast.AST) -> bool:
         root = _root(expr)
         return self.this is not None and isinstance(root, ast.Name) and root.id == self.this

@@ -328,7 +328,7 @@ def match_terms(root: Node, terms: list[ExpertTerm], form: str) -> ExpertsMatch 
         ids=ids,
         weights=weights,
         num_experts=len(terms),
-        top_k=const_int(shape(ids)[-1]) if len(shape(ids)) == 2 else 1,
+        top_k=const_int(shape(ids)[-1]) if len(shape(ids)) >= 2 else 1,  # [T, k], or [B, S, k] (_token_rows)
         activation=terms[0].activation,
         experts_min=first_expert,
         weights_at_ids=weights_at_ids,
@@ -610,19 +610,15 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
     routing = probe.ids_and_weights(tensors)
     if routing is None:
         return NOT_ONE_IDS_AND_WEIGHTS
-    ids, weights = routing
-    views = {}  # the loop reads views of the [T, k] routing (DeepSeek-MoE's flat `weight.view(-1, 1)`)
-    if shape(ids) != shape(weights):
-        for name, node in (("ids", ids), ("weights", weights)):
-            base = strip_shape_ops(node)
-            if base is not node and len(shape(base) or ()) in (1, 2):  # [T, k], or [T] for top-1
-                views[name] = (node, base, probe.slice_between(node, {base}))
-        ids, weights = (views[name][1] if name in views else node for name, node in (("ids", ids), ("weights", weights)))
+    ids, weights, views = _through_views(*routing)
     at_ids = _read_at_ids(ids, weights, len(terms))
-    single = len(shape(ids) or ()) == 1  # one id per token (an argmax): top-1
-    if (shape(ids) != shape(weights) and not at_ids) or len(shape(ids)) not in (1, 2):
+    # [B, S, k] routing read beside its [B*S, k] view (a topk over (batch, seq) logits): probes are [T, k]
+    unflattened = {node: shape(node) for node in (ids, weights) if len(shape(node) or ()) > 2}
+    ids_shape = _token_rows(ids)
+    single = len(ids_shape or ()) == 1  # one id per token (an argmax): top-1
+    if (not at_ids and not _same_shape(ids_shape, _token_rows(weights))) or len(ids_shape or ()) not in (1, 2):
         return NoMatch(IDS_WEIGHTS_SHAPES)
-    tokens, top_k = int(probe.concrete(shape(ids)[0])), 1 if single else int(probe.concrete(shape(ids)[1]))
+    tokens, top_k = int(probe.concrete(ids_shape[0])), 1 if single else int(probe.concrete(ids_shape[1]))
     if tokens == 0:
         return NoMatch(EMPTY_BATCH)
     width = max(len(terms), _routing_width(ids) or 0)
@@ -649,6 +645,8 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
         env = {ids: i.to(dtype(ids)), weights: w}
         if single:
             env = {ids: i[:, 0].to(dtype(ids)), weights: w if at_ids else w[:, 0]}
+        for node, dims in unflattened.items():
+            env[node] = env[node].reshape([int(probe.concrete(d)) for d in dims])
         for viewed, _base, chain in views.values():
             env[viewed] = probe.evaluate(chain, env)[viewed]
         if table is not None:
@@ -661,6 +659,35 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
     ]
     order = _assign(columns, envs, tokens, width, terms)
     return order if isinstance(order, NoMatch) else (ids, weights, *order, at_ids)
+
+
+def _through_views(ids: Node, weights: Node) -> tuple[Node, Node, dict]:
+    """(ids, weights, views): where the loop reads views of the [T, k] routing (DeepSeek-MoE's flat
+    `weight.view(-1, 1)`), the routing tensors they view, and {role: (view, base, the nodes between)}."""
+    views = {}
+    if shape(ids) != shape(weights):
+        for name, node in (("ids", ids), ("weights", weights)):
+            base = strip_shape_ops(node)
+            if base is not node and len(shape(base) or ()) in (1, 2):  # [T, k], or [T] for top-1
+                views[name] = (node, base, probe.slice_between(node, {base}))
+    ids, weights = (views[name][1] if name in views else node for name, node in (("ids", ids), ("weights", weights)))
+    return ids, weights, views
+
+
+def _token_rows(node: Node) -> tuple | None:
+    """The shape of `node` as rows of tokens: [B, S, k] read as [B*S, k]; 1-D and 2-D shapes as they are."""
+    dims = shape(node)
+    if dims is None or len(dims) <= 2:
+        return tuple(dims) if dims is not None else None
+    tokens = 1
+    for d in dims[:-1]:
+        tokens = tokens * d
+    return tokens, dims[-1]
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(
+        statically_known_true(x == y) for x, y in zip(a, b, strict=True))
 
 
 def _read_at_ids(ids: Node, weights: Node, num_terms: int) -> bool:

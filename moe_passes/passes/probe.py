@@ -184,7 +184,8 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
     for node in nodes:
         if node in env:
             continue
-        allowed = node.target in PROBE_OPS or node.target in extra_ops or is_cast(node) or _size_arithmetic(node)
+        allowed = (node.target in PROBE_OPS or node.target in extra_ops or is_cast(node) or _size_arithmetic(node)
+                   or _reads_at_slots(node))
         if node.op != "call_function" or not allowed:
             raise NotProbeable(f"{node.name} ({node.target}) is not an index/mask op")
         inputs = node.all_input_nodes
@@ -207,6 +208,22 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
             kwargs["device"] = "cpu"
         env[node] = node.target(*concrete_args(node.args, env), **kwargs)
     return env
+
+
+# Reads at positions: exact index functions, evaluated inside a term's slice but not looked through to
+# find where the routing begins (an argmax of the router's scores is where top-1 ids begin)
+_GATHERS = frozenset({aten.gather.default, aten.index_select.default})
+
+
+def _reads_at_slots(node: Node) -> bool:
+    """A gather or index_select, or the argmax of integers: the slot where a token chose the expert,
+    `(ids == e).int().argmax(-1)` (LLMs-from-scratch), and the weight read there."""
+    if node.target in _GATHERS:
+        return True
+    if node.target is not aten.argmax.default or not node.args or not isinstance(node.args[0], Node):
+        return False
+    source = dtype(node.args[0])
+    return source is not None and not source.is_floating_point
 
 
 # Sizes read off probed tensors and integer arithmetic on them: exact on concrete probes. Allowed only
