@@ -234,3 +234,40 @@ def test_inner_failure_on_the_rewritten_graph_compiles_the_captured_one():
     assert len(report.declined) == 2 and "inner backend failed" in report.declined[0].reason
     assert any("simulated inner backend failure" in str(w.message) for w in caught)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class _UngatedWhereLoop(torch.nn.Module):
+    """A loop over every expert selecting with `torch.where` (captured in one graph by the expert-loop
+    adapter, which switches dynamo's capture of data-dependent shapes on for the loop and off after it),
+    with ungated experts the finder declines: the captured graph reaches the inner backend as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)) for _ in range(4))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+def test_an_inner_backend_that_cannot_compile_a_graph_the_adapter_captured_leaves_it_uncompiled():
+    """The fallback of `_compile_captured` applies once the loop switched its setting off again."""
+
+    def refusing_inner(gm, example_inputs):
+        raise RuntimeError("simulated: no data-dependent shapes here")
+
+    torch.manual_seed(0)
+    model, inputs = _UngatedWhereLoop().eval(), (torch.randn(5, 8),)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report, output, _ = run_hpu_moe(model, inputs, inner=refusing_inner)
+    assert report.graph_count == 1 and not report.fused and report.declined, str(report)
+    assert any("capture_dynamic_output_shape_ops" in str(w.message) and "runs uncompiled" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -2063,6 +2063,7 @@ def _switch_on_for_this_compile(flag: str, setting: str) -> bool:
     if not getattr(config, flag):
         setattr(config, flag, True)
         _SWITCHED_FLAGS.add(flag)
+        _SWITCHED_IN_THIS_COMPILE.add(flag)
         if _restore_switched_flags not in getattr(handler, "end_callbacks", ()):
             handler.register_end_callback(_restore_switched_flags)
     return True
@@ -2096,6 +2097,7 @@ def _switch_back(flag: str, setting: str) -> bool:
 
 
 _SWITCHED_FLAGS: set[str] = set()
+_SWITCHED_IN_THIS_COMPILE: set[str] = set()  # every flag switched on while this compile traced, even if off again
 _SWITCHED_SETTINGS: set[str] = set()  # ShapeEnv settings switched on in the trace in progress
 
 
@@ -2113,8 +2115,9 @@ def run_switches_as_plain_python() -> None:
 
 
 def switched_settings_for_this_compile() -> tuple[str, ...]:
-    """The dynamo flags an adapted method switched on for the compile in progress."""
-    return tuple(sorted(_SWITCHED_FLAGS))
+    """The dynamo flags an adapted method switched on for the compile in progress (at any point of its
+    trace: a loop's capture is switched off again once the loop is traced)."""
+    return tuple(sorted(_SWITCHED_IN_THIS_COMPILE))
 
 
 def _restore_switched_flags(*_args) -> None:
@@ -2122,6 +2125,7 @@ def _restore_switched_flags(*_args) -> None:
     callback that removed itself while dynamo iterates the list would make it skip the next one)."""
     while _SWITCHED_FLAGS:
         setattr(torch._dynamo.config, _SWITCHED_FLAGS.pop(), False)
+    _SWITCHED_IN_THIS_COMPILE.clear()
     _SWITCHED_SETTINGS.clear()  # they lived in the compiled frame's ShapeEnv, gone with it
 
 
