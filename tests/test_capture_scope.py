@@ -16,6 +16,7 @@ import torch
 
 from moe_passes.explain import explain_and_run
 from tests.helpers import assert_close_for_dtype, eager_output
+from tests.loop_models import GatedExpert
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -240,6 +241,52 @@ def test_an_expert_loop_in_a_helper_object_beside_the_layer_is_captured_and_fuse
     report, output = explain_and_run(model, *inputs, options={"inner": "eager", "target": "portable"})
     assert (report.graph_count, report.graph_break_count, len(report.fused)) == (1, 0, 1), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class InjectedLoopMoE(torch.nn.Module):
+    """An MoE injected into a dense MLP the way MixLoRA does it (written afresh): not a submodule, held in a
+    plain dict, its forward bound onto the MLP instance, and its loop reached through a method it bound
+    onto itself in `__init__`; both bound before any adapter was installed."""
+
+    def __init__(self, experts=4, hidden=8):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(GatedExpert(hidden) for _ in range(experts))
+        self.run_experts = self._loop
+
+    def _loop(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.router(x).softmax(-1), 2)
+        return self.run_experts(x, ids, weights)
+
+
+class DenseMLP(torch.nn.Module):
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_a_forward_bound_onto_another_instance_is_traced_through_its_adapted_copy():
+    torch.manual_seed(0)
+    mlp, moe = DenseMLP(), InjectedLoopMoE()
+    mlp.moes = {"adapter": moe}
+    mlp.forward = moe.forward
+    model, inputs = torch.nn.Sequential(mlp).eval(), (torch.randn(6, 8),)
+    expected = eager_output(model, inputs)
+    report, output = explain_and_run(model, *inputs, options={"inner": "eager", "target": "portable"})
+    assert (report.graph_count, report.graph_break_count, len(report.fused)) == (1, 0, 1), str(report)
+    assert_close_for_dtype(output, expected)
+    assert mlp.forward.__self__ is moe and moe.run_experts.__self__ is moe  # bound to the same instances
+    assert_close_for_dtype(model(*inputs), expected)  # eager calls run the methods as written
 
 
 def test_an_adapted_class_and_its_copies_are_freed_with_the_model():

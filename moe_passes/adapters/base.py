@@ -60,6 +60,20 @@ def compiling_for_hpu_moe() -> bool:
     return False
 
 
+def modules_of_the_frame_being_compiled() -> list[torch.nn.Module]:
+    """The nn.Modules among the locals of the frame dynamo starts to compile (its `self`, most often), read
+    from dynamo's `_compile`; empty where this torch's dynamo does not show them."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and frame.f_globals.get("__name__") == "torch._dynamo.convert_frame":
+            local_values = frame.f_locals.get("locals")
+            if not isinstance(local_values, dict):
+                return []
+            return [v for v in local_values.values() if isinstance(v, torch.nn.Module)]
+        frame = frame.f_back
+    return []
+
+
 @torch.compiler.assume_constant_result
 def adapters_active() -> bool:
     """True while dynamo traces for the hpu_moe backend with adapters enabled (a trace-time constant).

@@ -10,7 +10,14 @@ import weakref
 import torch
 
 from . import device_moves, function_swaps, hit_expert_loops, vllm_style
-from .base import BEFORE_TRACE, compiling_for_hpu_moe, env_enabled, install, retrace
+from .base import (
+    BEFORE_TRACE,
+    compiling_for_hpu_moe,
+    env_enabled,
+    install,
+    modules_of_the_frame_being_compiled,
+    retrace,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +162,39 @@ def adapt_new_classes() -> None:
 
 def _adapt_new_classes_for_hpu_moe(*_args) -> None:
     """Dynamo start-of-compile callback: for a compile whose backend is hpu_moe, adapt the classes
-    defined since the last look; for any other backend, nothing."""
+    defined since the last look, and re-bind forwards bound onto instances; for any other backend, nothing."""
     if compiling_for_hpu_moe():
         adapt_new_classes()
+        for root in modules_of_the_frame_being_compiled():
+            rebind_instance_forwards(root)
+
+
+def rebind_instance_forwards(root: torch.nn.Module) -> list[str]:
+    """Instance attributes holding a method of an adapted class bound to its instance get that class's
+    adapted method bound to the same instance: the method as written outside hpu_moe's traces, its
+    traceable copy inside. MixLoRA injects its MoE so (`mlp.forward = moe_layer.forward`, and
+    `self.forward_fn_ = getattr(self, "_llama_forward")` in the layer), bound before any adapter was
+    installed, so they hold the methods as written. Looked for in `root`'s modules and in the instances
+    such methods are bound to. Returns "module.Class.method" for each re-bound."""
+    rebound, seen = [], set()
+    stack: list[object] = list(root.modules())
+    while stack:
+        holder = stack.pop()
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        for attribute, bound in list(getattr(holder, "__dict__", {}).items()):
+            if not isinstance(bound, types.MethodType):
+                continue
+            owner, name = type(bound.__self__), bound.__func__.__name__
+            installed = owner.__dict__.get(name)
+            if getattr(installed, "__moe_passes_original__", None) is bound.__func__:
+                holder.__dict__[attribute] = types.MethodType(installed, bound.__self__)
+                rebound.append(f"{owner.__module__}.{owner.__qualname__}.{name}")
+                log.info("%s of a %s instance re-bound to the adapted %s.%s", attribute, type(holder).__name__,
+                         owner.__qualname__, name)
+            stack.append(bound.__self__)
+    return rebound
 
 
 def install_discovery_hook() -> None:
