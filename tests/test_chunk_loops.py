@@ -1,6 +1,6 @@
-"""Loops over chunks of an expert's rows (adapters/chunk_loops.py): run as one where the body is computed row
-by row and accumulates once at the chunk's rows, kept as written (and the expert loop around them with them)
-where it is not."""
+"""Loops over chunks of an expert's rows (adapters/chunk_loops.py): run once where what `torch.where` read is no
+larger than a chunk and the body accumulates once at the chunk's rows, as written otherwise (and the expert loop
+around them with them where the body is not shown to)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class ChunkedHitLoop(torch.nn.Module):
         out = torch.zeros_like(x)
         mask = F.one_hot(ids, num_classes=4).permute(2, 1, 0)
         hit = torch.nonzero(mask.sum(dim=(-1, -2)) > 0, as_tuple=False).flatten()
-        chunk_size = 2
+        chunk_size = 64  # as large as what torch.where reads (2 slots x 9 tokens): one chunk
         for e in hit.tolist():
             expert = self.experts[e]
             slot_all, token_all = torch.where(mask[e].squeeze(0))
@@ -50,6 +50,20 @@ class ChunkedRangeLoop(ChunkedHitLoop):
         out = torch.zeros_like(x)
         for e in range(4):
             token_all, slot_all = torch.where(ids == e)
+            for start in range(0, len(token_all), 64):
+                token = token_all[start : start + 64]
+                out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot_all[start : start + 64], None])
+        return out
+
+
+class SmallChunks(ChunkedHitLoop):
+    """Chunks of 2 rows: an expert's rows may take several, so the loop runs as written."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            token_all, slot_all = torch.where(ids == e)
             for start in range(0, len(token_all), 2):
                 token = token_all[start : start + 2]
                 out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot_all[start : start + 2], None])
@@ -66,7 +80,8 @@ def test_a_loop_over_chunks_of_the_rows_runs_as_one_and_is_fused(cls):
 
 
 class MixesRowsOfAChunk(ChunkedHitLoop):
-    """Centres each chunk's output on its mean: a value of the chunk, not of each row (chunking matters)."""
+    """Centres each chunk's output on its mean: a value of the chunk, not of each row (chunking matters where
+    there are several)."""
 
     def forward(self, x):
         weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
@@ -110,9 +125,77 @@ class ScalesAnOuterTensorInPlace(ChunkedHitLoop):
         return out
 
 
-@pytest.mark.parametrize("cls", [MixesRowsOfAChunk, ReadsTheChunkStart, ScalesAnOuterTensorInPlace],
-                         ids=lambda c: c.__name__)
-def test_a_chunk_loop_not_computed_row_by_row_stays_as_written(cls):
+class MixesRowsInOneChunk(ChunkedHitLoop):
+    """Centres the chunk's output on its mean, in chunks as large as what torch.where reads: one chunk."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            token_all, slot_all = torch.where(ids == e)
+            for start in range(0, len(token_all), 64):
+                token = token_all[start : start + 64]
+                y = self.experts[e](x[token])
+                out.index_add_(0, token, y - y.mean(0))
+        return out
+
+
+class AddsEveryRowPerChunk(ChunkedHitLoop):
+    """Adds all the expert's rows once per chunk (nothing sliced): as many times as there are chunks."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            token_all, slot_all = torch.where(ids == e)
+            y = self.experts[e](x[token_all]) * weights[token_all, slot_all, None]
+            for _start in range(0, len(token_all), 64):
+                out.index_add_(0, token_all, y)
+        return out
+
+
+@pytest.mark.parametrize("cls", [MixesRowsInOneChunk, AddsEveryRowPerChunk], ids=lambda c: c.__name__)
+def test_a_chunk_loop_run_once_is_exact_whatever_its_body_computes(cls):
+    torch.manual_seed(0)
+    model, inputs = cls().eval(), (torch.randn(9, 8),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class CarriesAValueAcrossChunks(ChunkedHitLoop):
+    """Doubles a scale at each chunk through a walrus: the body binds a name the next chunk reads."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        scale = 1.0
+        for e in range(4):
+            token_all, slot_all = torch.where(ids == e)
+            for start in range(0, len(token_all), 64):
+                token = token_all[start : start + 64]
+                out.index_add_(0, token, self.experts[e](x[token]) * (scale := scale * 2))
+        return out
+
+
+class RowsBoundAgain(ChunkedHitLoop):
+    """Slices a rows name bound again, longer than the length the range reads."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            slot_all, token_all = torch.where(ids.t() == e)
+            token_all = torch.cat([token_all, token_all])
+            for start in range(0, slot_all.size(0), 64):
+                token = token_all[start : start + 64]
+                out.index_add_(0, token, self.experts[e](x[token]))
+        return out
+
+
+@pytest.mark.parametrize("cls", [SmallChunks, MixesRowsOfAChunk, ReadsTheChunkStart, ScalesAnOuterTensorInPlace,
+                                 CarriesAValueAcrossChunks, RowsBoundAgain], ids=lambda c: c.__name__)
+def test_a_chunk_loop_not_shown_to_run_once_stays_as_written(cls):
     torch.manual_seed(0)
     model, inputs = cls().eval(), (torch.randn(9, 8),)
     report, output, recorder = run_hpu_moe(model, inputs)

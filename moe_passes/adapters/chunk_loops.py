@@ -8,35 +8,38 @@
         y.mul_(w[top_x, idx].unsqueeze(-1))
         out.index_add_(0, top_x, y)
 
-The chunk count depends on the data, so dynamo cannot unroll the loop in one graph. The traced copy runs
-the body once over all the rows (`top_x = top_x_full`): the loop is replaced by its body, with every
-`X[i : i + CHUNK]` read as `X`.
+The chunk count depends on the data, so dynamo cannot unroll the loop in one graph. The traced copy
+chooses, from the shape of what `torch.where` read (static, or guarded), between the body run once over
+all the rows (`X[i : i + CHUNK]` read as `X`) and the loop as written:
 
-Why that is the same computation (checked on the source, else the loop is left as written and named):
-the chunks partition the rows in order; the body's only effect is one accumulation at the chunk's rows
-(the expert-loop proof, `hit_expert_loops._check_body`, run on this loop with the sliced names as rows,
-which also shows an empty chunk adds nothing); and every value the body computes is computed row by row
-(`row_wise`): gathers at the chunk's rows, calls of the experts (modules, taken to map each row alone, the
-premise of every expert loop), casts, `unsqueeze` after the rows, and elementwise arithmetic. So each row
-gets the same value added whichever chunk holds it; only the order of additions into the output may
-differ (float rounding). Every sliced name is an element of the one `torch.where` / `nonzero(as_tuple=True)`
-tuple whose first element's length bounds the range, so all have that length.
+    if expert_mask[expert_idx].squeeze(0).numel() <= CHUNK:
+        <the body, the slices read as the whole rows>
+    else:
+        <the loop as written>
+
+Why the first arm is the same computation (checked on the source, else the loop is left as written and
+named): `torch.where(M)` gives at most `M.numel()` rows, so where that is at most CHUNK the loop runs
+once, on chunks that are the whole rows, or not at all, for no rows; and the body's only effect is one
+accumulation at a chunk of the rows (the expert-loop proof, `hit_expert_loops._check_body`, run on this
+loop with the sliced names as rows), which adds nothing for no rows. Nothing about the experts is assumed
+beyond what every expert loop assumes. M is evaluated again for its size: it may only read names not bound
+between the `torch.where` and the loop, through views and comparisons. Every sliced name is an element of
+the one `torch.where` / `nonzero(as_tuple=True)` tuple whose first element's length bounds the range. The
+loop variable is read only in the slices.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+from copy import deepcopy
 
 from .source_ast import NotAdaptable, call_name, stored_names
 
 _SIZE_READS = {"size", "numel"}
-# Methods that compute each row from the same row of their operands (dtype casts, elementwise arithmetic,
-# in-place forms included); `unsqueeze` and `squeeze` are read for their dim
-_ROW_WISE_METHODS = frozenset({
-    "to", "float", "half", "bfloat16", "double", "type_as", "contiguous", "mul", "mul_", "div", "div_", "add",
-    "add_", "sub", "sub_", "neg", "exp", "sigmoid", "relu", "clamp", "clamp_min",
-})
+# Calls that keep what a tensor's shape is read from: views and comparisons of the where operand
+_SHAPE_KEEPING = frozenset({"squeeze", "unsqueeze", "view", "reshape", "flatten", "permute", "transpose", "contiguous",
+                            "eq", "ne", "gt", "ge", "lt", "le", "bool", "int", "long", "float", "to"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ChunkLoop:
     step: ast.expr  # as written: an int literal or a name bound once to one
     rows: tuple[str, ...]  # the names of the one `torch.where` tuple the body slices
     bound_at: int  # the line that bound them
+    operand: ast.expr  # what that `torch.where` (or `nonzero`) reads, as written
 
 
 def chunk_loop(loop: ast.For, assignments: dict[str, list[ast.AST]]) -> ChunkLoop | None:
@@ -64,7 +68,9 @@ def chunk_loop(loop: ast.For, assignments: dict[str, list[ast.AST]]) -> ChunkLoo
     if len(tuples) != 1 or not isinstance(tuples[0], ast.Assign) or not _selects_positions(tuples[0].value):
         return None
     rows = tuple(n for t in tuples[0].targets for n in stored_names(t))
-    return ChunkLoop(loop, loop.target.id, step, rows, tuples[0].lineno)
+    if any(len(assignments.get(name, [])) != 1 for name in rows):
+        return None  # a name of the tuple bound again may have another length
+    return ChunkLoop(loop, loop.target.id, step, rows, tuples[0].lineno, _positions_operand(tuples[0].value))
 
 
 def check_slices(chunk: ChunkLoop) -> None:
@@ -79,32 +85,40 @@ def check_slices(chunk: ChunkLoop) -> None:
             raise NotAdaptable(f"line {node.lineno}: the chunk start {var} is bound again")
 
 
-def row_wise(chunk: ChunkLoop, is_expert) -> None:
-    """Every value the body computes is computed row by row from the chunk's rows (see the module's
-    docstring); `is_expert(func)` tells a call of an expert. Raises NotAdaptable naming the first that is not."""
-    rows = set(_sliced_names(chunk))
-    experts = {id(n.func) for stmt in chunk.loop.body for n in ast.walk(stmt)
-               if isinstance(n, ast.Call) and is_expert(n.func)}  # `self.experts[e]`: a module, not a gather
-    for stmt in chunk.loop.body:
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and id(node) not in experts and (
-                    not _at_rows(node, rows, chunk)):
-                if not (isinstance(node.slice, ast.Slice) and _chunk_slice(node, chunk)):
-                    raise NotAdaptable(f"line {node.lineno}: `{ast.unparse(node)[:50]}` in the chunk loop is not "
-                                       "a gather at the chunk's rows")
-            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-                raise NotAdaptable(f"line {node.lineno}: `@` in the chunk loop may mix rows")
-            if isinstance(node, ast.Call) and not _row_wise_call(node, rows, is_expert):
-                raise NotAdaptable(f"line {node.lineno}: `{ast.unparse(node)[:50]}` in the chunk loop may mix "
-                                   "the rows of a chunk")
-
-
 def inline(chunk: ChunkLoop, parent_body: list[ast.stmt]) -> None:
-    """Replace the loop in `parent_body` by its body, each `X[var : var + step]` read as `X`."""
+    """Replace the loop in `parent_body` by `if <M>.numel() <= step: <body, slices read whole> else: <loop>`."""
+    as_written = deepcopy(chunk.loop)
     for sub in _chunk_slices(chunk):
         sub.slice = ast.copy_location(ast.Slice(None, None, None), sub.slice)
+    test = ast.Compare(ast.Call(ast.Attribute(deepcopy(chunk.operand), "numel", ast.Load()), [], []), [ast.LtE()],
+                       [deepcopy(chunk.step)])
+    choice = ast.copy_location(ast.If(test, chunk.loop.body, [as_written]), chunk.loop)
+    choice.moe_passes_chunk_choice = True  # read by the expert-loop proof: the first arm is the loop's body
     at = next(i for i, stmt in enumerate(parent_body) if stmt is chunk.loop)
-    parent_body[at:at + 1] = chunk.loop.body
+    parent_body[at] = choice
+    ast.fix_missing_locations(choice)
+
+
+def is_chunk_choice(stmt: ast.stmt) -> bool:
+    """`stmt` is the `if` that `inline` made."""
+    return getattr(stmt, "moe_passes_chunk_choice", False)
+
+
+def check_operand(chunk: ChunkLoop, fn_def: ast.FunctionDef) -> None:
+    """The `torch.where` operand may be evaluated again at the loop for its size: views, lookups and
+    comparisons of names none of which is bound between the two."""
+    for node in ast.walk(chunk.operand):
+        if isinstance(node, ast.Call) and call_name(node) not in _SHAPE_KEEPING:
+            raise NotAdaptable(f"line {chunk.bound_at}: `{ast.unparse(node)[:50]}` in what `torch.where` reads is "
+                               "not a view or a comparison, so it is not evaluated again for its size")
+        if isinstance(node, ast.NamedExpr | ast.Lambda | ast.Await | ast.Yield):
+            raise NotAdaptable(f"line {chunk.bound_at}: what `torch.where` reads binds or defers names")
+    read = {n.id for n in ast.walk(chunk.operand) if isinstance(n, ast.Name)}
+    between = range(chunk.bound_at + 1, chunk.loop.lineno)
+    for node in ast.walk(fn_def):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in read and node.lineno in between:
+            raise NotAdaptable(f"line {node.lineno}: {node.id}, read by the `torch.where` at line {chunk.bound_at}, "
+                               "is bound again before the chunk loop")
 
 
 def _length_read(expr: ast.expr) -> str | None:
@@ -143,6 +157,13 @@ def _selects_positions(value: ast.expr) -> bool:
         k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value is True for k in value.keywords)
 
 
+def _positions_operand(value: ast.Call) -> ast.expr:
+    """M of `torch.where(M)`, `M.nonzero(as_tuple=True)` or `torch.nonzero(M, as_tuple=True)`."""
+    if call_name(value) == "nonzero" and isinstance(value.func, ast.Attribute) and not value.args:
+        return value.func.value
+    return value.args[0]
+
+
 def _chunk_slice(node: ast.Subscript, chunk: ChunkLoop) -> bool:
     """`X[var : var + step]` with X one of the chunk's rows."""
     s = node.slice
@@ -158,54 +179,3 @@ def _chunk_slices(chunk: ChunkLoop) -> list[ast.Subscript]:
             if isinstance(n, ast.Subscript) and _chunk_slice(n, chunk)]
 
 
-def _sliced_names(chunk: ChunkLoop) -> list[str]:
-    """Names bound in the body to a chunk of the rows (`top_x = top_x_full[i : i + CHUNK]`)."""
-    names = []
-    for stmt in chunk.loop.body:
-        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                and isinstance(stmt.value, ast.Subscript) and _chunk_slice(stmt.value, chunk)):
-            names.append(stmt.targets[0].id)
-    return names
-
-
-def _at_rows(node: ast.Subscript, rows: set[str], chunk: ChunkLoop) -> bool:
-    """`X[r]`, `X[r, s]`, `X[r, s, None]`: the first index a chunk of the rows, the others chunks of the rows,
-    `None`, `...`, `:` or an int: a gather of the chunk's rows, each row from its own."""
-    indices = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-
-    def chunk_of_rows(index: ast.expr) -> bool:
-        return (isinstance(index, ast.Name) and index.id in rows) or (
-            isinstance(index, ast.Subscript) and _chunk_slice(index, chunk))
-
-    def keeps_rows(index: ast.expr) -> bool:
-        return chunk_of_rows(index) or _int_literal(index) is not None or (
-            isinstance(index, ast.Constant) and index.value in (None, Ellipsis)) or (
-            isinstance(index, ast.Slice) and index.lower is None and index.upper is None and index.step is None)
-
-    return bool(indices) and chunk_of_rows(indices[0]) and all(keeps_rows(i) for i in indices[1:])
-
-
-def _row_wise_call(call: ast.Call, rows: set[str], is_expert) -> bool:
-    name = call_name(call)
-    if is_expert(call.func):
-        return True
-    if name == "index_select":
-        dim = call.args[1] if isinstance(call.func, ast.Name) or _torch_function(call) else (call.args[0] if call.args else None)
-        return isinstance(dim, ast.Constant) and dim.value == 0
-    if name in ("index_add_", "index_put_"):
-        return True  # the accumulation, read by the expert-loop proof
-    if name == "unsqueeze":  # a new dim after the rows: -1 of a value with rows, or a literal >= 1
-        dim = _int_literal(call.args[-1]) if len(call.args) == 1 and not call.keywords else None
-        return dim is not None and (dim >= 1 or dim == -1)
-    return name in _ROW_WISE_METHODS and isinstance(call.func, ast.Attribute) and not _torch_function(call)
-
-
-def _int_literal(expr: ast.expr) -> int | None:
-    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
-        inner = _int_literal(expr.operand)
-        return -inner if inner is not None else None
-    return expr.value if isinstance(expr, ast.Constant) and type(expr.value) is int else None
-
-
-def _torch_function(call: ast.Call) -> bool:
-    return isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch"

@@ -42,10 +42,11 @@ Loops over the ids present (`for e in ids.unique().tolist():`) run over every ex
 only effect is one accumulation at `torch.where(ids == e)` (`present_ids` says why that is exact).
 
 A loop over chunks of an expert's rows inside an expert loop (`for i in range(0, n, CHUNK)` slicing
-`[i : i + CHUNK]`) is replaced first by its body run once over all the rows, where `chunk_loops` and
-this proof show that exact; the loop around it is then proved as if written so. In a loop body, `del`
-of the body's names and an in-place op on an expert's output (or on a gather at the rows) are taken:
-neither changes a value outside the iteration, and for an expert not hit the tensor has no element.
+`[i : i + CHUNK]`) becomes first a choice, from what `torch.where` read, between its body run once over
+all the rows and the loop as written, where `chunk_loops` and this proof show the first arm exact; the
+loop around it is then proved on that arm. In a loop body, `del` of the body's names and an in-place
+elementwise op on an expert's output (or on a gather at the rows) are taken: neither changes a value
+outside the iteration, and for an expert not hit the tensor has no element (the experts' premise).
 
 Loops over per-expert counts (`for i, n in enumerate(counts): if n == 0: continue`, DeepSeek-V2 4.x)
 lose that guard when `count_loops` proves it removable, and methods that read per-expert counts as
@@ -76,7 +77,7 @@ from copy import deepcopy
 
 import torch
 
-from .chunk_loops import ChunkLoop, check_slices, chunk_loop, inline, row_wise
+from .chunk_loops import ChunkLoop, check_operand, check_slices, chunk_loop, inline, is_chunk_choice
 from .count_loops import (
     CountLoop,
     FixedCounts,
@@ -124,7 +125,6 @@ from .source_ast import (
     decided,
     defining_bindings,
     function_source,
-    in_place_name,
     loop_index,
     moves_itself,
     namespace_of,
@@ -917,6 +917,13 @@ def _check_body(
 
     def visit(statements):
         for stmt in statements:
+            if is_chunk_choice(stmt):
+                visit(stmt.body)  # a loop over chunks run once: its else arm is that loop, proved on its own
+                continue
+            walrus = next((n for n in ast.walk(stmt) if isinstance(n, ast.NamedExpr)), None)
+            if walrus is not None:
+                raise NotAdaptable(f"line {stmt.lineno}: `{ast.unparse(walrus)[:40]}` binds a name in the loop body "
+                                   "inside an expression, which may act for an expert no token chose")
             if moves_itself(stmt):
                 continue  # `out = out.to(device)`: the same values under the same name, for any expert
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
@@ -1070,10 +1077,16 @@ def _check_calls(loop: ast.For, callees: Callees) -> None:
                            f"through {found}, which may act for an expert no token chose")
 
 
+# In-place elementwise methods: they change the values of their tensor where it has elements, nothing else
+# (not its storage, shape or other tensors: `set_`, `resize_`, `scatter_` and the like are not among them)
+_ELEMENTWISE_IN_PLACE = frozenset({"mul_", "div_", "add_", "sub_", "neg_", "abs_", "pow_", "sqrt_", "rsqrt_", "exp_",
+                                   "sigmoid_", "tanh_", "relu_", "clamp_", "clamp_min_", "clamp_max_", "nan_to_num_"})
+
+
 def _in_place_on(call: ast.expr) -> str | None:
-    """N of `N.op_(...)`, an in-place tensor method called on a name (not an accumulation)."""
+    """N of `N.op_(...)`, an in-place elementwise tensor method called on a name."""
     if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-            and in_place_name(call.func.attr) and call.func.attr not in _ACCUMULATORS):
+            and call.func.attr in _ELEMENTWISE_IN_PLACE):
         return call.func.value.id
     return None
 
@@ -1193,7 +1206,10 @@ def _check_locals(loop: ast.For, bound: set[str], fn_def: ast.FunctionDef) -> No
 
     def check(statements, seen: set[str]) -> set[str]:
         for stmt in statements:
-            if isinstance(stmt, ast.With):
+            if is_chunk_choice(stmt):  # the else arm is the loop the first arm runs once
+                read_here(stmt.test, seen, stmt.lineno)
+                seen = check(stmt.body, seen)
+            elif isinstance(stmt, ast.With):
                 seen = check(stmt.body, seen)
             elif isinstance(stmt, ast.If):  # a checked guard, skip or index branch: its test reads too
                 read_here(stmt.test, seen, stmt.lineno)
@@ -1417,11 +1433,12 @@ def _chunk_loops_as_one(fn_def: ast.FunctionDef, callees: Callees) -> list[int]:
 
 
 def _prove_chunk_loop(chunk: ChunkLoop, fn_def: ast.FunctionDef, callees: Callees) -> None:
-    """The loop's only effect is one accumulation at a chunk of the rows, computed row by row."""
+    """The loop's only effect is one accumulation at a chunk of the rows (none for no rows), and what its
+    `torch.where` read can be evaluated again for its size (`chunk_loops` says why that is enough)."""
     check_slices(chunk)
+    check_operand(chunk, fn_def)
     _check_body(chunk.loop, "", None, fn_def, dict.fromkeys(chunk.rows, chunk.bound_at), callees=callees)
     _check_calls(chunk.loop, callees)
-    row_wise(chunk, callees.an_expert)
 
 
 def _handled_reads(fn_def: ast.FunctionDef, plan: Plan) -> set[int]:

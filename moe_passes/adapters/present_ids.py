@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from .source_ast import NotAdaptable, call_name, changes_in_place, strip_methods
+from .source_ast import NotAdaptable, call_name, strip_methods
 
 # Methods that keep the values of the ids (flattening, host copies) before or after `unique`
 _KEEPS_VALUES = {"flatten", "view", "reshape", "contiguous", "cpu", "tolist", "long", "int"}
@@ -49,8 +49,8 @@ class PresentLoop:
 
 def present_sequence(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) -> tuple[str, int | None] | None:
     """(ids, line) when `loop` iterates the unique values of ids (`present_ids`), written in the `for` (line
-    None) or bound once to a name the loop alone reads (`u = torch.unique(ids)`, line of that binding),
-    ids not bound again nor changed in place between the two; else None."""
+    None) or bound once, by the statement right before the loop, to a name the loop alone reads
+    (`u = torch.unique(ids)`, line of that binding); else None."""
     ids = present_ids(loop.iter)
     if ids is not None or not isinstance(loop.iter, ast.Name):
         return (ids, None) if ids is not None else None
@@ -61,11 +61,20 @@ def present_sequence(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef) 
     reads = [n for n in ast.walk(fn_def) if isinstance(n, ast.Name) and n.id == loop.iter.id and isinstance(n.ctx, ast.Load)]
     if ids is None or reads != [loop.iter]:
         return None
-    between = range(bound[0].lineno + 1, loop.lineno)
-    if any(getattr(b, "lineno", 0) in between for b in assignments.get(ids, [])) or any(
-            getattr(n, "lineno", 0) in between and changes_in_place(n, ids) for n in ast.walk(fn_def)):
-        return None
+    if not _just_before(bound[0], loop, fn_def):
+        return None  # ids could change between the two (through a view, `out=`, an enclosing loop's turn)
     return ids, bound[0].lineno
+
+
+def _just_before(binding: ast.stmt, loop: ast.For, fn_def: ast.FunctionDef) -> bool:
+    """`binding` is the statement right before `loop` in the same block."""
+    for node in ast.walk(fn_def):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and loop in block:
+                at = block.index(loop)
+                return at > 0 and block[at - 1] is binding
+    return False
 
 
 def present_ids(sequence: ast.AST) -> str | None:
