@@ -414,7 +414,8 @@ class GuardOnOtherRows(GuardedRangeLoop):
 
 
 def test_a_guard_on_other_rows_than_the_accumulation_is_kept():
-    assert hit_expert_loops.adaptations_of(GuardOnOtherRows)["moe"] is not None  # shapes still captured
+    # traced as written: a kept test of selected rows under captured shapes could make dynamo raise
+    assert "moe" not in hit_expert_loops.adaptations_of(GuardOnOtherRows)
     model, inputs = FORM.build(layers=1, tokens=2, num_experts=6)
     _swap(model, GuardOnOtherRows)
     report, output, recorder = run_hpu_moe(model, inputs)

@@ -269,3 +269,33 @@ def test_a_loop_over_the_experts_present_in_an_adapted_method_runs_as_eager(spel
         torch.compile(model, backend="eager")(x)
         report, output = explain_and_run(model, x, options={"inner": "eager", "target": "portable"})
     assert_close_for_dtype(output, expected)
+
+
+class OddSizeSkip(Layer):
+    """A loop over every expert with a skip the proof does not take (`if len(rows) % 2: continue`): the `if`
+    is kept, so the loop is traced as written; with data-dependent shapes captured around it dynamo would
+    raise on that test instead of breaking the graph."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        w, ids = torch.topk(torch.softmax(self.router(x), -1), K, dim=-1)
+        y = torch.zeros_like(x)
+        for i in range(E):
+            idx, top = torch.where(ids == i)
+            if len(idx) % 2:
+                continue
+            y.index_add_(0, idx, self.experts[i](x[idx]) * w[idx, top, None])
+        return y
+
+
+def test_a_kept_skip_on_a_size_of_the_rows_is_traced_as_written():
+    torch.manual_seed(0)
+    model, x = OddSizeSkip().eval(), torch.randn(1, T, H)
+    with torch.no_grad():
+        expected = model(x)
+        report, output = explain_and_run(model, x, options={"inner": "eager", "target": "portable"})
+    assert_close_for_dtype(output, expected)
+    assert report.graph_break_count > 0 and not report.fused, str(report)

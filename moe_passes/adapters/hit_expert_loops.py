@@ -135,6 +135,9 @@ from .source_ast import (
     strip_methods,
     walk_function,
 )
+from .source_ast import (
+    loads as names_read,
+)
 
 log = logging.getLogger(__name__)
 
@@ -1357,6 +1360,8 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
                 except NotAdaptable as exc:  # named in the report where the method broke the graph
                     kept.append(f"the loop over the experts keeps its `if` as written: {exc}")
                     log.info("expert loop guard kept: %s", exc)
+                    if _tests_a_value_of_the_body(node):  # under captured shapes dynamo would raise there
+                        selecting.remove(node.lineno)
             continue
         if not isinstance(node.target, ast.Name) or node.orelse:
             raise NotAdaptable(f"line {node.lineno}: the loop target is not a single name, or has an else")
@@ -1383,6 +1388,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     returned = counts_returned(fn, fn_def, assignments)
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or splits_by_host_sizes(fn_def, assignments)
                or reads_counts_as_numbers(fn_def, assignments, returned))
+    captures = captures and bool(selecting)
     comprehended = [n for n in walk_function(fn_def) if isinstance(n, ast.ListComp | ast.GeneratorExp)
                     and _selects_tokens(_as_loop(n), boolean)]
     if comprehended:  # `[eq(routes, i).nonzero() for i in range(E)]`: the shapes are captured as in a loop
@@ -1405,6 +1411,24 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
         lengths = data_length_names(fn_def, selected_anywhere | set(pieces))
         check_length_reads(fn_def, lengths, _handled_reads(fn_def, plan))
     return fn_def, filename, plan
+
+
+def _tests_a_value_of_the_body(loop: ast.For) -> bool:
+    """Some `if` of the loop body tests the selected rows or a value computed from them (`if len(rows) % 2:
+    continue`): data, on which dynamo raises rather than breaks the graph once data-dependent shapes are
+    captured, so the loop keeping it is traced as written. Tests of other names (`if lora is not None:`)
+    do not count."""
+    data = {n for stmt in ast.walk(loop) if isinstance(stmt, ast.stmt) for n in _rows_names(stmt, None, "")}
+    assigns = [stmt for stmt in ast.walk(loop) if isinstance(stmt, ast.Assign | ast.AugAssign | ast.AnnAssign)]
+    while True:  # names bound from the rows, directly or through names bound so
+        grown = data | {n.id for stmt in assigns if stmt.value is not None and names_read(stmt.value) & data
+                        for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+                        for n in ast.walk(t) if isinstance(n, ast.Name)}
+        if grown == data:
+            break
+        data = grown
+    return any(isinstance(n, ast.If | ast.IfExp | ast.While) and names_read(n.test) & data
+               for stmt in loop.body for n in ast.walk(stmt))
 
 
 def _chunk_loops_as_one(fn_def: ast.FunctionDef, callees: Callees) -> list[int]:
