@@ -49,29 +49,31 @@ def _hpu_moe_options_of(compiler) -> dict | None:
     return None
 
 
-def compiling_for_hpu_moe() -> bool:
-    """Whether the dynamo compile in progress (read from the frame that runs it) has hpu_moe as its
-    backend; False when none is, or when this torch's dynamo does not show it."""
+def _dynamo_compile_locals() -> dict:
+    """The locals of dynamo's `_compile` running the compile in progress (read from the call stack), or {}
+    where none runs or this torch's dynamo does not show it."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_compile" and frame.f_globals.get("__name__") == "torch._dynamo.convert_frame":
-            return _hpu_moe_options_of(frame.f_locals.get("compiler_fn")) is not None
+            return frame.f_locals
         frame = frame.f_back
-    return False
+    return {}
+
+
+def compiling_for_hpu_moe() -> bool:
+    """Whether the dynamo compile in progress has hpu_moe as its backend; False when none is, or when
+    this torch's dynamo does not show it."""
+    compiler = _dynamo_compile_locals().get("compiler_fn")
+    return compiler is not None and _hpu_moe_options_of(compiler) is not None
 
 
 def modules_of_the_frame_being_compiled() -> list[torch.nn.Module]:
-    """The nn.Modules among the locals of the frame dynamo starts to compile (its `self`, most often), read
-    from dynamo's `_compile`; empty where this torch's dynamo does not show them."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_compile" and frame.f_globals.get("__name__") == "torch._dynamo.convert_frame":
-            local_values = frame.f_locals.get("locals")
-            if not isinstance(local_values, dict):
-                return []
-            return [v for v in local_values.values() if isinstance(v, torch.nn.Module)]
-        frame = frame.f_back
-    return []
+    """The nn.Modules among the locals of the frame dynamo starts to compile (its `self`, most often);
+    empty where this torch's dynamo does not show them."""
+    local_values = _dynamo_compile_locals().get("locals")
+    if not isinstance(local_values, dict):
+        return []
+    return [v for v in local_values.values() if isinstance(v, torch.nn.Module)]
 
 
 @torch.compiler.assume_constant_result

@@ -34,9 +34,8 @@ import ast
 import dataclasses
 from copy import deepcopy
 
-from .source_ast import NotAdaptable, call_name, stored_names
+from .source_ast import NotAdaptable, call_name, sized_name, stored_names
 
-_SIZE_READS = {"size", "numel"}
 # Calls that keep what a tensor's shape is read from: views and comparisons of the where operand
 _SHAPE_KEEPING = frozenset({"squeeze", "unsqueeze", "view", "reshape", "flatten", "permute", "transpose", "contiguous",
                             "eq", "ne", "gt", "ge", "lt", "le", "bool", "int", "long", "float", "to"})
@@ -122,19 +121,12 @@ def check_operand(chunk: ChunkLoop, fn_def: ast.FunctionDef) -> None:
 
 
 def _length_read(expr: ast.expr) -> str | None:
-    """N of `N.size(0)`, `N.shape[0]`, `len(N)`, `N.numel()`."""
-    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "len" and len(expr.args) == 1:
-        return expr.args[0].id if isinstance(expr.args[0], ast.Name) else None
-    if isinstance(expr, ast.Call) and call_name(expr) in _SIZE_READS and isinstance(expr.func, ast.Attribute):
-        zero = not expr.args or (len(expr.args) == 1 and isinstance(expr.args[0], ast.Constant) and expr.args[0].value == 0)
-        if expr.func.attr == "size" and not expr.args:
-            zero = False  # `size()` is a shape, not a length
-        receiver = expr.func.value
-        return receiver.id if zero and isinstance(receiver, ast.Name) and not expr.keywords else None
-    if (isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Attribute) and expr.value.attr == "shape"
-            and isinstance(expr.slice, ast.Constant) and expr.slice.value == 0 and isinstance(expr.value.value, ast.Name)):
-        return expr.value.value.id
-    return None
+    """N of `N.size(0)`, or of `N.numel()`, `len(N)`, `N.shape[0]` (`sized_name`)."""
+    if (call_name(expr) == "size" and isinstance(expr.func, ast.Attribute) and isinstance(expr.func.value, ast.Name)
+            and not expr.keywords and len(expr.args) == 1 and isinstance(expr.args[0], ast.Constant)
+            and expr.args[0].value == 0):
+        return expr.func.value.id
+    return sized_name(expr)
 
 
 def _positive_int(expr: ast.expr, assignments) -> int | None:

@@ -129,6 +129,7 @@ from .source_ast import (
     moves_itself,
     namespace_of,
     number_read,
+    sized_name,
     skip_test,
     span,
     stored_names,
@@ -413,7 +414,7 @@ def _emptiness_guarded(stmt: ast.stmt) -> str | None:
         if not (isinstance(test.ops[0], ast.Gt | ast.NotEq) and isinstance(zero, ast.Constant) and zero.value == 0):
             return None
         test = test.left
-    return _sized_name(test)
+    return sized_name(test)
 
 
 def _mask_guarded(stmt: ast.stmt) -> str | None:
@@ -608,27 +609,8 @@ def _plain_value(expr: ast.AST) -> bool:
 
 def _size_of_rows(test: ast.AST, rows: dict[str, int]) -> int | None:
     """For `r.numel()`, `len(r)` or `r.shape[0]` with r in `rows`: the line that bound r, else None."""
-    name = _sized_name(test)
+    name = sized_name(test)
     return rows.get(name) if name is not None else None
-
-
-def _sized_name(test: ast.AST) -> str | None:
-    """r for `r.numel()`, `len(r)` or `r.shape[0]`, r a name; else None."""
-    if call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
-        subject = test.func.value
-    elif call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
-        subject = test.args[0]
-    elif (
-        isinstance(test, ast.Subscript)
-        and isinstance(test.value, ast.Attribute)
-        and test.value.attr == "shape"
-        and isinstance(test.slice, ast.Constant)
-        and test.slice.value == 0
-    ):
-        subject = test.value.value
-    else:
-        return None
-    return subject.id if isinstance(subject, ast.Name) else None
 
 
 def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:

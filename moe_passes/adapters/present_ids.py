@@ -17,7 +17,7 @@ raise on `self.experts[e]` (or pick an expert from the end for a negative id), m
 run time (`present_experts`) rather than skip it.
 
 Also taken (LLMs-from-scratch): the unique ids bound to a name only the loop reads (`u = torch.unique(ids)`,
-ids neither bound again nor changed in place before the loop; the copy drops the binding), the id read
+by the statement right before the loop, so nothing changes ids in between; the copy drops the binding), the id read
 first as a number (`e = int(t.item())`: the copy loops over `e`, the same ints), several parallel
 containers indexed with it (`self.fc1[e]`, `self.fc2[e]`: the copy runs over the shortest, and an id past
 it raises as above), and rows that are the non-zero entries of `(ids == e).any(dim)` (empty for an absent

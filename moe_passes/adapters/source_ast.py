@@ -125,6 +125,25 @@ def boolean_by_construction(expr: ast.AST) -> bool:
     return (expr.func.attr == "bool" and not expr.args) or expr.func.attr in _BOOLEAN_RESULTS
 
 
+def sized_name(test: ast.AST) -> str | None:
+    """r for `r.numel()`, `len(r)` or `r.shape[0]`, r a name; else None."""
+    if call_name(test) == "numel" and isinstance(test.func, ast.Attribute) and not test.args:
+        subject = test.func.value
+    elif call_name(test) == "len" and isinstance(test.func, ast.Name) and len(test.args) == 1:
+        subject = test.args[0]
+    elif (
+        isinstance(test, ast.Subscript)
+        and isinstance(test.value, ast.Attribute)
+        and test.value.attr == "shape"
+        and isinstance(test.slice, ast.Constant)
+        and test.slice.value == 0
+    ):
+        subject = test.value.value
+    else:
+        return None
+    return subject.id if isinstance(subject, ast.Name) else None
+
+
 def skip_test(stmt: ast.stmt) -> ast.expr | None:
     """T for `if T: continue` with no other statement and no else (a skip of one iteration), else None."""
     if not isinstance(stmt, ast.If) or stmt.orelse or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Continue):

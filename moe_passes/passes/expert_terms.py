@@ -48,6 +48,7 @@ from .mlp import (
     row_scaled,
     ungated_activation,
 )
+from .slots import same_size
 
 aten = torch.ops.aten
 NOT_ONE_IDS_AND_WEIGHTS = NoMatch("the per-expert routing weights do not derive from one ids tensor and one weights tensor")
@@ -686,8 +687,7 @@ def _token_rows(node: Node) -> tuple | None:
 
 
 def _same_shape(a: tuple | None, b: tuple | None) -> bool:
-    return a is not None and b is not None and len(a) == len(b) and all(
-        statically_known_true(x == y) for x, y in zip(a, b, strict=True))
+    return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
 
 def _read_at_ids(ids: Node, weights: Node, num_terms: int) -> bool:
