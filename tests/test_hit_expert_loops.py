@@ -166,6 +166,64 @@ class SignedMask(HitExpertLoopMoE):
         return out.view(x.shape)
 
 
+class CancellingMask(HitExpertLoopMoE):
+    """A signed mask whose row for expert 0 sums to zero while it has entries: the original never visits
+    expert 0, so neither may the copy (it reads the mask gated by the hit test)."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = (selected_experts.T.unsqueeze(0) == torch.arange(self.num_experts)[:, None, None]).int()
+        mask = torch.cat([mask[:1] - mask[:1].roll(1, dims=-1), mask[1:]])
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](hidden_states[token]) * routing_weights[token, slot, None])
+        return out.view(x.shape)
+
+
+class SignedMaskReadWhole(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = (selected_experts.T.unsqueeze(0) == torch.arange(self.num_experts)[:, None, None]).int()
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](hidden_states[token]) * routing_weights[token, slot, None] * mask.sum()
+            out.index_add_(0, token, y)
+        return out.view(x.shape)
+
+
+class FormattedKeys(torch.nn.Module):
+    """transformers 5.x Switch Transformers: experts in a ModuleDict keyed `expert_{i}`, looked up with the
+    row's element formatted into the key, under a hit test over a mask handed in (not seen to be one-hot)."""
+
+    def __init__(self, missing: int | None = None):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 6, bias=False)
+        self.experts = torch.nn.ModuleDict(
+            {f"expert_{i}": GatedExpert(8) for i in range(6) if i != missing})
+        self.register_buffer("never", torch.zeros(6).index_fill_(0, torch.tensor([missing or 0]), -1e4)
+                             if missing is not None else torch.zeros(6))
+
+    def forward(self, x):
+        weights, ids = torch.topk((self.gate(x) + self.never).softmax(-1), 2)
+        return self.run_experts(x, F.one_hot(ids, 6), weights)
+
+    def run_experts(self, x, selected, weights):
+        out = torch.zeros_like(x)
+        expert_mask = selected.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            slot, token = torch.where(expert_mask[expert_idx].squeeze(0))
+            y = self.experts[f"expert_{expert_idx[0]}"](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out
+
+
 class RowsNotFromTheMask(HitExpertLoopMoE):
     def forward(self, x):
         hidden_states = x.view(-1, x.shape[-1])
@@ -227,7 +285,7 @@ class ExpertBuiltInTheBody(HitExpertLoopMoE):
 DECLINED = {
     ConditionalBody: "an `if` statement in the loop body (`if expert_idx == 0:`)",
     CountsCalls: "a call in the loop body (`calls.append(expert_idx)`)",
-    SignedMask: "is not built by one_hot",
+    SignedMaskReadWhole: "the loop reads it other than as mask[e]",
     RowsNotFromTheMask: "the accumulated rows are not the non-zero entries",
     LastExpertUsedAfter: "y, bound in the loop body, is read outside the loop",
     ExpertBuiltInTheBody: "its length cannot be read before the loop",
@@ -252,6 +310,36 @@ def test_an_adapted_loop_the_passes_decline_runs_unfused_and_equal():
     _swap(model, WeightsBeforeExpert)
     report, output, recorder = run_hpu_moe(model, inputs)
     assert report.graph_count == 1 and not recorder.fused_nodes(), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize("cls", [SignedMask, CancellingMask], ids=lambda c: c.__name__)
+def test_a_sum_test_over_a_mask_of_any_sign_reads_the_mask_gated_by_it(cls):
+    """The copy visits every expert and reads mask[e] where the test held, else nothing: SignedMask is
+    fused; CancellingMask's expert 0 (entries, zero sum) is skipped as the original skips it."""
+    model, inputs = FORM.build(layers=1, tokens=5, num_experts=6)
+    _swap(model, cls)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    expected = eager_output(model, inputs)
+    assert_close_for_dtype(output, expected)
+    if cls is CancellingMask:  # the case is real: expert 0 has entries and the original skips it
+        hidden = inputs[0].view(-1, inputs[0].shape[-1])
+        _, ids = model.moes[0].router(hidden)
+        assert (ids == 0).any() and (ids == 0).sum() < ids.shape[0]
+    else:
+        assert len(report.fused) == 1, str(report)
+
+
+@pytest.mark.parametrize("missing", [None, 5])
+def test_experts_keyed_by_the_formatted_row_are_fused(missing):
+    """With a key missing (an expert no token can pick: the gate has 6 outputs, one key is absent and
+    never hit with these inputs), the copy skips that row as the original never visits it."""
+    torch.manual_seed(0)
+    model = FormattedKeys(missing).eval()
+    inputs = (torch.randn(5, 8),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count, len(report.fused)) == (1, 0, 1), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
@@ -961,3 +1049,121 @@ def test_a_loop_over_the_hit_experts_read_as_ints_is_one_graph_and_fused(cls):
     report, output, recorder = run_hpu_moe(model, inputs)
     assert (report.graph_count, report.graph_break_count, len(recorder.fused_nodes())) == (1, 0, 1), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class OneHotChangedInPlace(HitExpertLoopMoE):
+    """A one-hot mask made signed in place before the hit test: not known non-negative any more."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        mask[0] -= mask[0].roll(1, dims=-1).clone()
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](hidden_states[token]) * routing_weights[token, slot, None])
+        return out.view(x.shape)
+
+
+def test_a_one_hot_mask_changed_in_place_is_read_gated():
+    model, inputs = FORM.build(layers=1, tokens=5, num_experts=6)
+    _swap(model, OneHotChangedInPlace)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+
+class TokenDropout(torch.nn.Module):
+    """NLLB-MoE's token dropout: `if <fixed test>:` arms that change the iteration's own new tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = 0.25
+        self.gate = torch.nn.Linear(8, 6, bias=False)
+        self.experts = torch.nn.ModuleList(GatedExpert(8) for _ in range(6))
+        self.drop = torch.nn.Dropout(self.p)
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, 6).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            if self.p > 0:
+                if self.training:
+                    y = self.drop(y)
+                else:
+                    y *= 1 - self.p
+            out.index_add_(0, token, y)
+        return out
+
+
+class RowsBoundInAnArm(TokenDropout):
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, 6).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            if self.training:  # rows only in one arm: after the `if`, they are not known to be rows
+                token = torch.arange(x.shape[0])[: y.shape[0]]
+            else:
+                slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, y)
+        return out
+
+
+class AccumulatesInAnArm(TokenDropout):
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, 6).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            if not self.training:
+                out.index_add_(0, token, y)
+            out.index_add_(0, token, y)
+        return out
+
+
+class ChangesAnOuterTensor(TokenDropout):
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        total = torch.zeros(())
+        mask = F.one_hot(ids, 6).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            if self.p > 0:
+                total += y.sum()
+            out.index_add_(0, token, y)
+        return out + total
+
+
+@pytest.mark.parametrize(("cls", "named"), [
+    (TokenDropout, None),
+    (RowsBoundInAnArm, "the accumulated rows are not the non-zero entries"),
+    (AccumulatesInAnArm, "accumulates or skips under `if not self.training`"),
+    (ChangesAnOuterTensor, "(`total += y.sum()`)"),
+], ids=lambda c: getattr(c, "__name__", ""))
+def test_arms_of_a_fixed_test_are_read_as_the_body(cls, named):
+    """Each arm is proved from the state before the `if`, and only what both leave holds after it."""
+    torch.manual_seed(0)
+    model, inputs = cls().eval(), (torch.randn(3, 8),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    if named is None:
+        assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
+    else:
+        reason = hit_expert_loops.declined_classes()[f"{cls.__module__}.{cls.__qualname__}"]
+        assert named in reason, reason

@@ -312,3 +312,23 @@ def test_zaya_router_that_reshapes_to_token_slots_last_is_fused(implementation):
     assert (report.graph_count, report.graph_break_count, report.declined) == (1, 0, []), str(report)
     assert len(report.fused) == len(recorder.fused_nodes()) == coverage.moe_layer_count(model)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_switch_transformers_experts_loop_is_captured_and_declined_as_ungated():
+    """5.x Switch Transformers: a hit loop over a capacity-trimmed one-hot handed in by the router (not
+    seen to be one-hot, so read gated by the hit test) and experts keyed `expert_{i}` in a ModuleDict by
+    the formatted row. Captured in the layer's graph; its experts, relu MLPs without a gate, are declined."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_ff=8, d_kv=8, num_heads=2, num_layers=2, num_sparse_encoder_layers=1,
+        num_experts=4, expert_capacity=64)
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersEncoderModel(config).eval()
+    inputs = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    sparse = [name for name, module in model.named_modules() if type(module).__name__ == "SwitchTransformersExperts"]
+    assert len(sparse) == 1 and len(report.declined) == 1, str(report)  # named from the block's own graph
+    assert sparse[0].endswith(report.declined[0].candidate), str(report)
+    assert all("an ungated MLP, down(relu(up(x)))" in d.reason for d in report.declined), str(report)
+    assert not any("modeling_switch_transformers.py:17" in b.location for b in report.graph_breaks), str(report)
+    assert not recorder.fused_nodes()
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -17,7 +17,10 @@ as written and the reason logged): the body's only effect is one accumulation in
 before the loop, at rows `torch.where(M[e])` (or `M[e].nonzero()`), where the hit test is
 `M.sum(dims) > 0` over the non-leading dims of a one-hot M (so non-negative) or `M.any(dims)`. For an
 expert the original loop skips, the test is false, so M[e] has no non-zero entry, the rows are empty and
-the accumulation adds nothing; every other statement only binds names local to one iteration. The
+the accumulation adds nothing; every other statement only binds names local to one iteration. Where M is
+not known to be non-negative (handed in, or changed in place), the body reads M[e] from M gated by the
+test (`hit_rows`: the rejected rows zeroed), so the same holds without that premise. An `if` on the
+module's attributes (`if self.training:`) is read arm by arm from the same state. The
 element bound to the loop variable is the same [1]-shaped int64 tensor as before, so indexing with it
 keeps its shapes (top-1 routing included); `var = var[0]` as the body's first statement (the 0-dim
 element, transformers 4.57 GPT-OSS and the 5.x `eager` experts) is allowed. A statement that skips an
@@ -146,6 +149,7 @@ NAME = "expert loop (hit experts traced as all experts; data-dependent shapes an
 _HELPERS = "__moe_passes_loop_helpers"
 _INDEX = "__moe_passes_expert"
 _ALL = "__moe_passes_all_rows"
+_GATED = "__moe_passes_gated"
 _ITERATED = "__moe_passes_iterated"  # a loop's sequence, evaluated before shapes are captured
 _ACCUMULATORS = {"index_add_", "index_put_"}
 
@@ -170,7 +174,11 @@ class HitLoop:
     # row or the alias, the conditions being the (index test, arm) of the index branches around it. A
     # row at which the body would index past a container's end (or a key a mapping lacks) is one the
     # original loop could only visit by raising: the rewritten loop skips it.
-    guarded_indexed: tuple[tuple[tuple[tuple[str, bool], ...], str, int], ...] = ()
+    # The last field is the index the test reads: the alias, or a key formatted from it (`f"expert_{A}"`).
+    guarded_indexed: tuple[tuple[tuple[tuple[str, bool], ...], str, int, str], ...] = ()
+    # The hit test is `M.sum(dims) > 0` over an M not known to be non-negative: the body reads M[var] from
+    # M gated by the test (no entry for an expert the test rejects), as the original never visits it.
+    gated: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -204,15 +212,17 @@ def _hit_operand(value: ast.AST) -> tuple[ast.AST, bool] | None:
     return (operand, False) if operand is not None else None
 
 
-def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset()) -> bool:
+def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozenset(),
+                changed: frozenset[str] = frozenset()) -> bool:
     """`one_hot(...)` through view-like methods, directly or through names whose every binding is one
-    (`m = one_hot(ids, E); m = m.permute(2, 1, 0)`): such a tensor is non-negative wherever it is read."""
+    (`m = one_hot(ids, E); m = m.permute(2, 1, 0)`) and that nothing changes in place (`changed`): such a
+    tensor is non-negative wherever it is read."""
     while True:
         if isinstance(expr, ast.Name):
             bound = defining_bindings(expr.id, assignments)
-            if expr.id in seen or bound is None:
+            if expr.id in seen or expr.id in changed or bound is None:
                 return False
-            return all(_is_one_hot(b.value, assignments, seen | {expr.id}) for b in bound)
+            return all(_is_one_hot(b.value, assignments, seen | {expr.id}, changed) for b in bound)
         name = call_name(expr)
         if name == "one_hot":
             return True
@@ -237,8 +247,23 @@ def _reduced_dims(call: ast.Call) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
-def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ...]]:
-    """(M, reduced dims) when `test` is true exactly for the rows e where M[e] has a non-zero entry."""
+def _changed_in_place(fn_def: ast.FunctionDef) -> frozenset[str]:
+    """Names whose tensor the function changes where it is (`m[0] -= 1`, `m.sub_(1)`): a view shares it,
+    so every name of a one-hot chain must be absent."""
+    changed = set()
+    for node in walk_function(fn_def):
+        target = node.value if isinstance(node, ast.Subscript) else (
+            node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None)
+        if isinstance(target, ast.Name) and changes_in_place(node, target.id):
+            changed.add(target.id)
+    return frozenset(changed)
+
+
+def _hit_test_mask(test: ast.AST, assignments: dict,
+                   changed: frozenset[str] = frozenset()) -> tuple[str, tuple[int, ...], bool]:
+    """(M, reduced dims, gated) when `test` is true exactly for the rows e where M[e] has a non-zero entry,
+    or (gated True) is `M.sum(dims) > 0` over an M not known to be non-negative: a row may then sum to
+    zero or less with non-zero entries, so the copy reads the rows of M gated by the test (`hit_rows`)."""
     line = getattr(test, "lineno", "?")
     if call_name(test) == "any" and isinstance(test.func, ast.Attribute):
         reduction, positive = test, True
@@ -257,12 +282,7 @@ def _hit_test_mask(test: ast.AST, assignments: dict) -> tuple[str, tuple[int, ..
     dims = _reduced_dims(reduction)
     if dims is None:
         raise NotAdaptable(f"line {line}: the hit test's reduced dims are not constants other than 0")
-    if reduction.func.attr == "sum" and not _is_one_hot(mask, assignments):
-        raise NotAdaptable(
-            f"line {line}: `{mask.id}.sum(...) > 0` proves a hit only for a non-negative mask, and "
-            f"{mask.id} is not built by one_hot"
-        )
-    return mask.id, dims
+    return mask.id, dims, reduction.func.attr == "sum" and not _is_one_hot(mask, assignments, changed=changed)
 
 
 def _hit_list_operand(value: ast.AST) -> tuple[ast.AST, bool] | None:
@@ -531,6 +551,18 @@ def _static_test(test: ast.AST) -> bool:
     return isinstance(test, ast.Name) and test.id == "self"
 
 
+def _fixed_test(test: ast.AST) -> bool:
+    """`_static_test`, comparisons of such values allowed (`self.moe_token_dropout > 0`): the same truth for
+    every expert, whatever the data (a tensor attribute breaks the graph, as written)."""
+    if isinstance(test, ast.BoolOp):
+        return all(_fixed_test(value) for value in test.values)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _fixed_test(test.operand)
+    if isinstance(test, ast.Compare):
+        return all(_static_test(part) for part in (test.left, *test.comparators))
+    return _static_test(test)
+
+
 def _mask_of_rows(value: ast.AST) -> str | None:
     """M when `value` selects the non-zero entries of M or of `M.any(dim)` (`M.any(dim=-1).nonzero()`,
     `torch.where(M)`, through flattening views): rows that are empty exactly when M has no non-zero entry."""
@@ -622,8 +654,8 @@ def _indexed_containers(loop: ast.For, var: str) -> tuple[tuple[str, int], ...]:
     name or attribute chain, possibly viewed, that the body does not bind.
     """
     bound = {n for stmt in loop.body for t in ast.walk(stmt) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store) for n in [t.id]}
-    found = [found for stmt in loop.body for node in ast.walk(stmt) if isinstance(node, ast.Subscript)
-             for found in _subscript_dims(node, {var}, bound, var)]
+    found = [(source, dim) for stmt in loop.body for node in ast.walk(stmt) if isinstance(node, ast.Subscript)
+             for source, dim, _ in _subscript_dims(node, {var}, bound, var)]
     return tuple(dict.fromkeys(found))
 
 
@@ -669,6 +701,45 @@ def _element_alias(stmt: ast.stmt, var: str) -> str | None:
         value = value.value
     alias = stmt.targets[0].id
     return alias if isinstance(value, ast.Name) and value.id == var and alias != var else None
+
+
+def _read_only_at_the_row(loop: ast.For, mask: str) -> bool:
+    """Every read of `mask` in the loop is `mask[var]` (or `mask[alias]`): the copy reads the gated mask."""
+    var = loop.target.id
+    numbers = {var, _element_alias(loop.body[0], var) if loop.body else None}
+    rows = {id(n.value) for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Subscript)
+            and isinstance(n.value, ast.Name) and n.value.id == mask and isinstance(n.slice, ast.Name)
+            and n.slice.id in numbers}
+    return all(id(n) in rows for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name)
+               and n.id == mask)
+
+
+def _formatted_numbers_as_alias(loop: ast.For) -> None:
+    """`f"expert_{var[0]}"` in a hit loop's body (transformers 5.x Switch Transformers keys its ModuleDict so)
+    reads the expert's number: a 0-dim integer tensor formats as its Python int (`Tensor.__format__`), so
+    the body gets `A = int(var[0])` first (or uses the alias it has) and the f-string formats A, the
+    spelling the alias proof reads. A conversion (`!r`, `!s`) formats the tensor itself and stays."""
+    var = loop.target.id
+    formatted = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.FormattedValue)
+                 and n.conversion == -1 and isinstance(n.value, ast.Subscript) and isinstance(n.value.value, ast.Name)
+                 and n.value.value.id == var and isinstance(n.value.slice, ast.Constant) and n.value.slice.value == 0]
+    if not formatted:
+        return
+    stored = {n.id for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Store)}
+    alias = _element_alias(loop.body[0], var)
+    if var in stored or (alias is not None and sum(1 for stmt in loop.body for n in ast.walk(stmt) if isinstance(
+            n, ast.Name) and n.id == alias and isinstance(n.ctx, ast.Store)) != 1):
+        return  # the row or its alias bound again: `var[0]` may be another value where it is formatted
+    if alias is None:
+        alias = f"{_INDEX}_number_{var}"
+        first = ast.parse(f"{alias} = int({var}[0])").body[0]
+        for part in ast.walk(first):
+            if isinstance(part, ast.expr | ast.stmt):
+                ast.copy_location(part, loop.body[0])
+        loop.body.insert(0, first)
+    for value in formatted:
+        value.value = ast.copy_location(ast.Name(alias, ast.Load()), value.value)
 
 
 def _index_test(test: ast.AST, var: str, bound: set[str]) -> bool:
@@ -719,8 +790,8 @@ def _guarded_containers(loop: ast.For, alias: str) -> tuple[tuple[tuple[tuple[st
             raise NotAdaptable(f"line {node.lineno}: a container is indexed with the expert's number under a "
                                "condition the number does not fix")
         if isinstance(node, ast.Subscript):
-            for source, dim in _subscript_dims(node, {var, alias}, stored, var):
-                found.append((conditions, source, dim))
+            for source, dim, key in _subscript_dims(node, {var, alias}, stored, var):
+                found.append((conditions, source, dim, key or alias))
         for child in ast.iter_child_nodes(node):
             visit(child, conditions)
 
@@ -735,8 +806,10 @@ def _indexes_with(node: ast.AST, names: set[str]) -> bool:
         for e in (n.slice.elts if isinstance(n.slice, ast.Tuple) else [n.slice])) for n in ast.walk(node))
 
 
-def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str], var: str) -> list[tuple[str, int]]:
-    """(container source, dim) for each place of `node`'s index that is one of `names`."""
+def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str],
+                    var: str) -> list[tuple[str, int, str | None]]:
+    """(container source, dim, key) for each place of `node`'s index that is one of `names` (key None), or
+    a string formatted from them and from values fixed before the loop (key: the f-string's source)."""
     if isinstance(node.value, ast.Name) and node.value.id in names:
         return []  # `row[0]`: the element itself
     elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
@@ -749,7 +822,13 @@ def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str], var: 
         if isinstance(element, ast.Constant) and element.value is None:
             continue  # a new axis: no dim of the container
         if isinstance(element, ast.Name) and element.id in names:
-            found.append((_container_source(node.value, bound, var), dim))
+            found.append((_container_source(node.value, bound, var), dim, None))
+        elif isinstance(element, ast.JoinedStr) and {n.id for n in ast.walk(element) if isinstance(n, ast.Name)} & names:
+            if any(not isinstance(n, ast.JoinedStr | ast.FormattedValue | ast.Constant | ast.Name | ast.Attribute
+                                  | ast.expr_context) for n in ast.walk(element)) or _mentions(element, bound - names):
+                raise NotAdaptable(f"line {node.lineno}: a container is indexed with a key formatted from the "
+                                   "expert's number and from values the loop computes")
+            found.append((_container_source(node.value, bound, var), dim, ast.unparse(element)))
         dim += 1
     return found
 
@@ -883,9 +962,10 @@ def _check_body(
     booleans: set[str] = set()  # names the body bound to boolean expressions (`mask = ids == e`)
     fresh: set[str] = set()  # names bound to a gather at the rows, or an expert's output of one: empty with them
     equal_to: dict[str, ast.expr] = {}  # names the body bound to a comparison, with it (`mask = ids == e`)
+    made: set[str] = set()  # names bound to arithmetic (`y = a * w`): a new tensor, no view of another
     skips: list[int] = []
     loop_names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
-    body = loop.body
+    body, row = loop.body, var  # the row itself selects as its alias does (`M[var]`, `M[alias]`)
     if mask is not None and body and _unwraps_element(body[0], var):
         body = body[1:]
     elif (mask is not None or present_ids is not None) and body and (alias := _element_alias(body[0], var)) is not None:
@@ -899,6 +979,38 @@ def _check_body(
         if mask is None and gathered is not None and index is not None:
             rows[index] = accumulation.lineno
             masks_of[index] = (gathered, versions.get(gathered))
+
+    state = (rows, masks_of, versions, booleans, fresh, equal_to, made)
+    effects = (accumulations, guards, mask_guards, count_guards, absent_skips, stores, skips)
+
+    def static_arms(stmt: ast.If) -> None:
+        """`if <static test>: A else: B` (`if self.training:`, NLLB-MoE's token dropout): dynamo folds the
+        test and one arm runs for every expert alike, so each arm is read as the body would be, from the
+        same state, and what holds after the `if` is what holds after both. The arms may bind names and
+        change their own new tensors; the accumulation and the guards stay outside them."""
+        before = [dict(part) if isinstance(part, dict) else set(part) for part in state]
+        counts = [len(effect) for effect in effects]
+        after = []
+        for arm in (stmt.body, stmt.orelse):
+            for part, saved in zip(state, before, strict=True):
+                part.clear()
+                part.update(saved)
+            visit(arm)
+            if [len(effect) for effect in effects] != counts:
+                raise NotAdaptable(f"line {stmt.lineno}: the loop body accumulates or skips under "
+                                   f"`if {ast.unparse(stmt.test)[:40]}`")
+            after.append([dict(part) if isinstance(part, dict) else set(part) for part in state])
+        first, second = after
+        for part, one, other, saved in zip(state, first, second, before, strict=True):
+            part.clear()
+            if part is versions:  # a name bound again in an arm holds neither arm's binding for sure
+                part.update({n: max(one.get(n, 0), other.get(n, 0)) + (one.get(n) != other.get(n) or
+                                                                         one.get(n) != saved.get(n))
+                             for n in one.keys() | other.keys()})
+            elif isinstance(part, dict):
+                part.update({n: v for n, v in one.items() if n in other and other[n] is v or other.get(n) == v})
+            else:
+                part.update(one & other)
 
     def visit(statements):
         for stmt in statements:
@@ -916,7 +1028,8 @@ def _check_body(
                 names = [n for t in targets for n in stored_names(t)]
                 if var in names:
                     raise NotAdaptable(f"line {stmt.lineno}: the loop variable {var} is re-bound in the body")
-                selected, cut = _rows_names(stmt, mask, var), _cut_rows(stmt, rows)
+                selected = _rows_names(stmt, mask, var) or (_rows_names(stmt, mask, row) if row != var else [])
+                cut = _cut_rows(stmt, rows)
                 masked = _mask_of_rows(stmt.value)
                 if masked is None and mask is None and len(names) == 1 and (
                         gathered := _gathered_at_mask(stmt.value, booleans)):
@@ -938,6 +1051,9 @@ def _check_body(
                 if cut is not None:
                     rows[cut] = stmt.lineno  # the first rows of rows empty for an expert not hit: empty too
                 fresh.difference_update(names)
+                made.difference_update(names)
+                if len(names) == 1 and isinstance(targets[0], ast.Name) and isinstance(stmt.value, ast.BinOp):
+                    made.add(names[0])
                 for name in names:
                     equal_to.pop(name, None)
                 if len(names) == 1 and isinstance(stmt.value, ast.Compare):
@@ -966,6 +1082,9 @@ def _check_body(
                 pass  # `del y`: a name of this iteration unbound, no value changed
             elif isinstance(stmt, ast.Expr) and _in_place_on(stmt.value) in fresh:
                 pass  # `y.mul_(w)` on an expert's output: nothing for an expert not hit, whose y is empty
+            elif (isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name)
+                  and stmt.target.id in (fresh | made) and stmt.target.id in bound):
+                pass  # `y *= c` on a tensor this iteration made: it changes nothing outside the iteration
             elif (source := _emptiness_guard(stmt, rows)) is not None:
                 guards.append((stmt.lineno, source))
                 visit(stmt.body)
@@ -989,6 +1108,8 @@ def _check_body(
                 visit(stmt.orelse)
             elif (counts := _skips_on_count(stmt, var)) is not None:
                 count_guards.append((stmt.lineno, counts))
+            elif isinstance(stmt, ast.If) and _fixed_test(stmt.test):
+                static_arms(stmt)
             elif (present_in := _skipped_unless_present(stmt, var)) is not None:
                 absent_skips.append((stmt.lineno, present_in))
             else:
@@ -1349,12 +1470,17 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
             raise NotAdaptable(f"line {node.lineno}: the loop target is not a single name, or has an else")
         if sum(1 for n in loads if n.id == hit.id) != 1:
             raise NotAdaptable(f"line {node.lineno}: {hit.id} is used outside the loop")
-        mask, dims = _hit_test_mask(operand, assignments)
+        mask, dims, gated = _hit_test_mask(operand, assignments, _changed_in_place(fn_def))
+        if gated and not _read_only_at_the_row(node, mask):
+            raise NotAdaptable(f"line {node.lineno}: `{mask}.sum(...) > 0` proves a hit only for a non-negative "
+                               f"mask, {mask} is not built by one_hot, and the loop reads it other than as "
+                               f"{mask}[{node.target.id}]")
         if any(bound[0].lineno < b.lineno < node.lineno for b in assignments.get(mask, [])) or any(
                 bound[0].lineno < getattr(n, "lineno", 0) < node.lineno and changes_in_place(n, mask)
                 for n in walk_function(fn_def)):
             raise NotAdaptable(f"line {node.lineno}: {mask} is bound again between the hit test and the loop, so "
                                "the rows the loop selects are not those the hit test tested")
+        _formatted_numbers_as_alias(node)
         removable, skips = _check_body(node, node.target.id, mask, fn_def, callees=callees)
         _not_read_after(node, node.target.id, fn_def)
         alias = _element_alias(node.body[0], node.target.id) if node.body else None
@@ -1365,7 +1491,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
         _check_calls(node, callees)
         guards.extend(removable)
         loops.append(HitLoop(node.lineno, node.target.id, hit.id, mask, dims, tuple(skips), indexed, alias,
-                             guarded))
+                             guarded, gated))
     calls = adapted_calls(fn)  # cuts at offsets: their bounds are read as numbers
     returned = counts_returned(fn, fn_def, assignments)
     scalars = (bool(calls) or bool(count_loops) or bool(pieces) or splits_by_host_sizes(fn_def, assignments)
@@ -1757,10 +1883,11 @@ class _Rewrite(ast.NodeTransformer):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
             loop = self.by_hit[node.targets[0].id]
             operand, flattened = _hit_operand(node.value)
-            call = _parse_expr(f"{_HELPERS}.all_rows(__C__, {loop.mask}, {loop.dims!r}, {flattened})")
+            helper, gated = ("hit_rows", f", {_GATED}_{loop.hit}") if loop.gated else ("all_rows", "")
+            call = _parse_expr(f"{_HELPERS}.{helper}(__C__, {loop.mask}, {loop.dims!r}, {flattened})")
             call.args[0] = operand
             new = ast.Assign(
-                targets=[_parse_expr(f"({loop.hit}, {_ALL}_{loop.hit})", ctx=ast.Store())], value=call
+                targets=[_parse_expr(f"({loop.hit}, {_ALL}_{loop.hit}{gated})", ctx=ast.Store())], value=call
             )
             return [_statement("capture_dynamic_output_shapes", node), ast.copy_location(new, node)]
         return self.generic_visit(node)
@@ -1801,7 +1928,8 @@ class _Rewrite(ast.NodeTransformer):
         index = f"{_INDEX}_{loop.var}"
         every_row = f"{_ALL}_{loop.hit}"
         visited = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
-        body = [_Subscripts(loop.var, index, every_row).visit(stmt) for stmt in visited]
+        gated = {loop.mask: f"{_GATED}_{loop.hit}"} if loop.gated else {}
+        body = [_Subscripts(loop.var, index, every_row, gated, loop.alias).visit(stmt) for stmt in visited]
         body = [_IndexTests(loop, index).visit(stmt) for stmt in body]
         if loop.alias is not None:  # `A = int(var.item())` -> the loop index, when rows are 0..n-1
             first = body[0]
@@ -1809,8 +1937,8 @@ class _Rewrite(ast.NodeTransformer):
                                                       first.value), first.value)
             past_end = " or ".join(
                 "(" + " and ".join([*(f"{'' if arm else 'not '}({test})" for test, arm in conditions),
-                                    f"{_HELPERS}.out_of({source}, {dim}, {loop.alias})"]) + ")"
-                for conditions, source, dim in loop.guarded_indexed)
+                                    f"{_HELPERS}.out_of({source}, {dim}, {key})"]) + ")"
+                for conditions, source, dim, key in loop.guarded_indexed)
             if past_end:  # rows at which the body indexes past a container: the original never visits them
                 skip = ast.parse(f"if {every_row} and ({past_end}):\n    continue").body[0]
                 for part in ast.walk(skip):
@@ -1896,14 +2024,24 @@ class _NumericBounds(ast.NodeTransformer):
 class _Subscripts(ast.NodeTransformer):
     """`X[var]` -> `pick(X, var, index, all)`: a module list takes the Python int (dynamo needs it)."""
 
-    def __init__(self, var: str, index: str, all_rows: str):
+    def __init__(self, var: str, index: str, all_rows: str, gated: dict[str, str] | None = None,
+                 alias: str | None = None):
         self.var, self.index, self.all_rows = var, index, all_rows
+        self.gated = gated or {}  # {mask: its gated copy}, read at the row instead (HitLoop.gated)
+        self.alias = alias
 
     def visit_Subscript(self, node: ast.Subscript):
         node = self.generic_visit(node)
+        if (self.alias is not None and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                and node.value.id in self.gated and isinstance(node.slice, ast.Name) and node.slice.id == self.alias):
+            node.value = ast.copy_location(ast.Name(self.gated[node.value.id], ast.Load()), node.value)
+            return node
         if isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Name) and node.slice.id == self.var:
             call = _parse_expr(f"{_HELPERS}.pick(__X__, {self.var}, {self.index}, {self.all_rows})")
-            call.args[0] = node.value
+            container = node.value
+            if isinstance(container, ast.Name) and container.id in self.gated:
+                container = ast.copy_location(ast.Name(self.gated[container.id], ast.Load()), container)
+            call.args[0] = container
             return ast.copy_location(call, node)
         if isinstance(node.slice, ast.Tuple):  # X[rows, var, None]: a 0-dim var indexes as its value
             node.slice.elts = [
@@ -1990,6 +2128,18 @@ def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...], flat
     return (test.nonzero().reshape(-1, 1) if flattened else test.nonzero()), False
 
 
+def hit_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...], flattened: bool = False):
+    """`all_rows`, and the mask the loop reads at each row: where every row is visited, `mask` with the
+    rows the test rejects zeroed (a `sum > 0` test over a mask that may hold negative entries: the
+    original never visits such a row, the copy finds no entry in it), else `mask` itself. A boolean mask
+    sums above zero exactly where it has an entry, so it is read as it is."""
+    rows, every_row = all_rows(test, mask, dims, flattened)
+    if not every_row or mask.dtype == torch.bool:
+        return rows, every_row, mask
+    kept = test.reshape(-1, *(1,) * (mask.dim() - 1))
+    return rows, every_row, torch.where(kept, mask, mask.new_zeros(()))
+
+
 def rows_to_visit(hit: torch.Tensor, every_row: bool, indexed) -> int:
     """The rows of `hit` to loop over: with every row, no more than the shortest container the body
     indexes with the row (a longer row is one the original loop could only visit by raising)."""
@@ -2015,6 +2165,8 @@ def out_of(container, dim: int, value: int) -> bool:
     past the end of a module list, a sequence or a tensor's dim (False for anything else: as written)."""
     if isinstance(container, (dict, torch.nn.ModuleDict, torch.nn.ParameterDict)):  # a tuple: dynamo 2.9
         return value not in container
+    if not isinstance(value, int):  # a formatted key into a sequence: raises in both, as written
+        return False
     length = _length(container, dim)
     return length is not None and value >= length
 
@@ -2160,6 +2312,7 @@ def _docstring_count(fn_def: ast.FunctionDef) -> int:
 def _helpers_namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         all_rows=all_rows,
+        hit_rows=hit_rows,
         pick=pick,
         rows_to_visit=rows_to_visit,
         index_value=index_value,
