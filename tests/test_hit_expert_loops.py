@@ -1152,7 +1152,7 @@ class ChangesAnOuterTensor(TokenDropout):
 
 @pytest.mark.parametrize(("cls", "named"), [
     (TokenDropout, None),
-    (RowsBoundInAnArm, "the accumulated rows are not the non-zero entries"),
+    (RowsBoundInAnArm, "indexed with the expert's number under `if self.training`, whose arm may not run"),
     (AccumulatesInAnArm, "accumulates or skips under `if not self.training`"),
     (ChangesAnOuterTensor, "(`total += y.sum()`)"),
 ], ids=lambda c: getattr(c, "__name__", ""))

@@ -9,6 +9,7 @@ output and leave the module as eager leaves it.
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -233,3 +234,178 @@ class CountLoopCountsRuns(Routed):
 
 
 CASES.append(CountLoopCountsRuns)
+
+
+# A review of the hit-test gating, formatted keys and fixed `if`s (5dc52ab) found the cases below; each gave
+# a wrong output there.
+
+
+class NegatedInPlace(Routed):
+    """A one-hot mask negated by `torch.neg_(mask)` before the hit test: no row sums above zero."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        torch.neg_(mask)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class FirstTokenNegated(Routed):
+    """`mask[..., 0].neg_()`, an in-place method on a subscript: token 0's expert sums to -1 unless token 1
+    chose it too."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        mask[..., 0].neg_()
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class ChangedAfterTheTest(Routed):
+    """The handed-in one-hot is changed through the tensor the mask views, after the hit test: the rows
+    are read from the changed mask, the hit experts are those of the test."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        return self.run_experts(x, F.one_hot(ids, num_classes=E), w)
+
+    def run_experts(self, x, selected, w):
+        out = torch.zeros_like(x)
+        expert_mask = selected.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        selected[0] = 1
+        for expert_idx in expert_hit:
+            slot, token = torch.where(expert_mask[expert_idx].squeeze(0))
+            out.index_add_(0, token, self.experts[expert_idx](x[token]) * w[token, slot, None])
+        return out
+
+
+class ShortListInAFixedArm(Routed):
+    """`if self.use_extra: y = self.extra[e](y)`, an arm not taken, over a list shorter than the experts."""
+
+    use_extra = False
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.ModuleList(torch.nn.Linear(H, H) for _ in range(2))
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * w[token, slot, None]
+            if self.use_extra:
+                y = self.extra[e](y)
+            out.index_add_(0, token, y)
+        return out
+
+
+class TestsAProperty(Routed):
+    """A fixed `if` reading a property that counts its reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    @property
+    def p(self):
+        self.reads += 1
+        return 0.25
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * w[token, slot, None]
+            if self.p > 0:
+                y *= 0.5
+            out.index_add_(0, token, y)
+        return out
+
+    def state(self):
+        return self.reads
+
+
+class DefaultScales(Routed):
+    """Scales in a defaultdict keyed by the formatted row: a missing key is made, for the experts the
+    original visits only."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleDict({f"expert_{i}": expert for i, expert in enumerate(self.experts)})
+        self.scales = collections.defaultdict(float, {"s0": 1.0, "s1": 2.0})
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[f"expert_{e[0]}"](x[token]) * (self.scales[f"s{e[0]}"] + 1.0)
+            out.index_add_(0, token, y * w[token, slot, None])
+        return out
+
+    def state(self):
+        return sorted(self.scales.values())
+
+
+CASES += [NegatedInPlace, FirstTokenNegated, ChangedAfterTheTest, ShortListInAFixedArm, TestsAProperty,
+          DefaultScales]
+
+
+def test_a_sum_in_a_narrow_dtype_is_read_gated():
+    """`mask.sum(dims, dtype=torch.uint8) > 0` wraps at 256 rows: the test may reject a row with entries."""
+    from moe_passes.adapters import hit_expert_loops
+
+    _, _, plan = hit_expert_loops.analyse(NarrowSum.forward, NarrowSum)
+    assert [loop.gated for loop in plan.hit_loops] == [True]
+
+
+class NarrowSum(Routed):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2), dtype=torch.uint8), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, token, self.experts[e](x[token]) * w[token, slot, None])
+        return out
+
+
+class SumsItsRows(Routed):
+    """What the loop adds is summed over the expert's rows (`keepdim`): one row even for an expert no
+    token chose, where the written loop (one token, so each hit expert has one row) never runs it. The
+    copy failed the trace's size check, a raise where eager runs."""
+
+    def forward(self, x):
+        x = x[:1]
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * w[token, slot, None]
+            out.index_add_(0, token, y.sum(0, keepdim=True))
+        return out
+
+
+CASES.append(SumsItsRows)

@@ -116,7 +116,7 @@ from .host_reads import (
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_loop, present_sequence
-from .row_maps import Callees, acting_call, still_trusted
+from .row_maps import REDUCTIONS, Callees, acting_call, still_trusted
 from .source_ast import (
     VIEW_METHODS,
     Decisions,
@@ -128,6 +128,7 @@ from .source_ast import (
     decided,
     defining_bindings,
     function_source,
+    in_place_name,
     loop_index,
     moves_itself,
     namespace_of,
@@ -149,7 +150,7 @@ NAME = "expert loop (hit experts traced as all experts; data-dependent shapes an
 _HELPERS = "__moe_passes_loop_helpers"
 _INDEX = "__moe_passes_expert"
 _ALL = "__moe_passes_all_rows"
-_GATED = "__moe_passes_gated"
+_TESTED = "__moe_passes_tested"  # a gated hit loop's test, one flag per row (hit_rows)
 _ITERATED = "__moe_passes_iterated"  # a loop's sequence, evaluated before shapes are captured
 _ACCUMULATORS = {"index_add_", "index_put_"}
 
@@ -248,15 +249,58 @@ def _reduced_dims(call: ast.Call) -> tuple[int, ...] | None:
 
 
 def _changed_in_place(fn_def: ast.FunctionDef) -> frozenset[str]:
-    """Names whose tensor the function changes where it is (`m[0] -= 1`, `m.sub_(1)`): a view shares it,
-    so every name of a one-hot chain must be absent."""
-    changed = set()
+    """Names whose tensor the function may change where it is, directly or through a view: the root name
+    of every in-place change (`m[0] -= 1`, `m[4].neg_()`, `torch.neg_(m)`, `op(..., out=m)`), and every
+    name bound from one of those (`flat = m.view(-1)` shares m's storage) or that one is bound from. A
+    one-hot chain with any of them is not known to be non-negative."""
+    roots = set()
     for node in walk_function(fn_def):
-        target = node.value if isinstance(node, ast.Subscript) else (
-            node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None)
-        if isinstance(target, ast.Name) and changes_in_place(node, target.id):
-            changed.add(target.id)
-    return frozenset(changed)
+        changed = None
+        if isinstance(node, ast.Subscript | ast.Attribute) and isinstance(node.ctx, ast.Store):
+            changed = node.value
+        elif isinstance(node, ast.AugAssign):
+            changed = node.target
+        elif isinstance(node, ast.Call):
+            name = call_name(node)
+            if isinstance(node.func, ast.Attribute) and name is not None and in_place_name(name):
+                receiver = node.func.value
+                changed = node.args[0] if _is_torch(receiver) and node.args else receiver
+            for keyword in node.keywords:
+                if keyword.arg == "out":
+                    roots.update(_names_in(keyword.value))
+        if changed is not None:
+            roots.update(_names_in(changed))
+    links = [(set(stored_names(t)), {base}) for node in walk_function(fn_def) if isinstance(node, ast.Assign)
+             and (base := _viewed_name(node.value)) is not None for t in node.targets]
+    tainted = set(roots)
+    grown = True
+    while grown:  # names sharing storage with a changed one, either way along a binding
+        grown = False
+        for targets, sources in links:
+            if (targets & tainted or sources & tainted) and not (targets | sources) <= tainted:
+                tainted |= targets | sources
+                grown = True
+    return frozenset(tainted)
+
+
+def _names_in(expr: ast.AST) -> set[str]:
+    """The root names of a changed target (`m` of `m[4]`, `m.view(-1)`); every name where it is no plain chain."""
+    base = _viewed_name(expr)
+    return {base} if base is not None else {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+
+
+def _viewed_name(expr: ast.AST) -> str | None:
+    """N when `expr` is N, or N through subscripts and view-like methods (storage it may share with N)."""
+    while True:
+        if isinstance(expr, ast.Name):
+            return expr.id
+        if isinstance(expr, ast.Subscript):
+            expr = expr.value
+        elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and (
+                call_name(expr) in VIEW_METHODS | {"squeeze", "unsqueeze", "flatten", "view_as", "expand"}):
+            expr = expr.func.value
+        else:
+            return None
 
 
 def _hit_test_mask(test: ast.AST, assignments: dict,
@@ -282,7 +326,9 @@ def _hit_test_mask(test: ast.AST, assignments: dict,
     dims = _reduced_dims(reduction)
     if dims is None:
         raise NotAdaptable(f"line {line}: the hit test's reduced dims are not constants other than 0")
-    return mask.id, dims, reduction.func.attr == "sum" and not _is_one_hot(mask, assignments, changed=changed)
+    overflows = any(k.arg == "dtype" for k in reduction.keywords) or len(reduction.args) > 1  # a narrow sum wraps
+    return mask.id, dims, reduction.func.attr == "sum" and (overflows or not _is_one_hot(mask, assignments,
+                                                                                         changed=changed))
 
 
 def _hit_list_operand(value: ast.AST) -> tuple[ast.AST, bool] | None:
@@ -563,6 +609,19 @@ def _fixed_test(test: ast.AST) -> bool:
     return _static_test(test)
 
 
+def _plain_attributes(test: ast.AST, owner: type | None) -> bool:
+    """Every `self.a` the test reads is stored on the instance or the class as a value, not computed by
+    a property or another descriptor (whose reads may count or change state); unknown without the class."""
+    if owner is None:
+        return False
+    for node in ast.walk(test):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            found = inspect.getattr_static(owner, node.attr, None)
+            if found is not None and hasattr(type(found), "__get__"):
+                return False
+    return True
+
+
 def _mask_of_rows(value: ast.AST) -> str | None:
     """M when `value` selects the non-zero entries of M or of `M.any(dim)` (`M.any(dim=-1).nonzero()`,
     `torch.where(M)`, through flattening views): rows that are empty exactly when M has no non-zero entry."""
@@ -828,6 +887,11 @@ def _subscript_dims(node: ast.Subscript, names: set[str], bound: set[str],
                                   | ast.expr_context) for n in ast.walk(element)) or _mentions(element, bound - names):
                 raise NotAdaptable(f"line {node.lineno}: a container is indexed with a key formatted from the "
                                    "expert's number and from values the loop computes")
+            parent = getattr(node, "_moe_parent", None)
+            if not (isinstance(parent, ast.Call) and parent.func is node):
+                # a mapping of values may make a missing key (a defaultdict) for an expert no token chose
+                raise NotAdaptable(f"line {node.lineno}: `{ast.unparse(node)[:40]}` reads a value by a key formatted "
+                                   "from the expert's number; only an expert looked up so and called is taken")
             found.append((_container_source(node.value, bound, var), dim, ast.unparse(element)))
         dim += 1
     return found
@@ -988,6 +1052,14 @@ def _check_body(
         test and one arm runs for every expert alike, so each arm is read as the body would be, from the
         same state, and what holds after the `if` is what holds after both. The arms may bind names and
         change their own new tensors; the accumulation and the guards stay outside them."""
+        numbers = {var, row}
+        if any(isinstance(n, ast.Subscript) and _mentions(n.slice, numbers) for arm in (stmt.body, stmt.orelse)
+               for part in arm for n in ast.walk(part)):
+            raise NotAdaptable(f"line {stmt.lineno}: a container is indexed with the expert's number under "
+                               f"`if {ast.unparse(stmt.test)[:40]}`, whose arm may not run")
+        if not _plain_attributes(stmt.test, callees.owner if callees is not None else None):
+            raise NotAdaptable(f"line {stmt.lineno}: `if {ast.unparse(stmt.test)[:40]}` reads an attribute the "
+                               "class computes (a property or descriptor), which may act each time it is read")
         before = [dict(part) if isinstance(part, dict) else set(part) for part in state]
         counts = [len(effect) for effect in effects]
         after = []
@@ -1130,6 +1202,8 @@ def _check_body(
         raise NotAdaptable(f"line {loop.lineno}: the loop body accumulates {len(accumulations)} times, not once")
     accumulated_rows = _check_accumulation(accumulations[0], rows, bound)
     accumulated_at = _accumulation_index(accumulations[0])
+    if callees is not None:
+        _check_added_rows(loop, accumulations[0], callees)
     if present_ids is not None and (
             _selected_by_equality(loop, accumulated_rows, var) != present_ids or present_ids in bound):
         raise NotAdaptable(f"line {accumulated_rows}: the accumulation's rows are not `torch.where({present_ids} == "
@@ -1166,6 +1240,55 @@ def _check_body(
             )
     _check_locals(loop, bound, fn_def)
     return [line for line, _ in guards], skips
+
+
+def _check_added_rows(loop: ast.For, accumulation, callees: Callees) -> None:
+    """What the loop adds has no rows where the expert's rows are none: no reduction over dim 0 or over
+    every dim in the added value or the body's bindings it is computed from. Else an expert no token chose
+    would add a row of its own in the copy, or fail the trace's size check where the written loop never
+    runs it (`y.sum(0, keepdim=True)`)."""
+    if isinstance(accumulation, ast.AugAssign):
+        added = accumulation.value
+    else:
+        arguments = accumulation.args[2:3] if call_name(accumulation) == "index_add_" else accumulation.args[1:2]
+        keyword = "source" if call_name(accumulation) == "index_add_" else "values"
+        added = next(iter(arguments), None) or next((k.value for k in accumulation.keywords if k.arg == keyword), None)
+    if added is None:
+        return
+    definitions = [(node.lineno, name, node.value) for node in ast.walk(loop) if isinstance(node, ast.Assign)
+                   for target in node.targets for name in stored_names(target)]
+    sources, pending, seen = [], [(added, accumulation.lineno)], set()
+    while pending:
+        value, line = pending.pop()
+        sources.append(value)
+        for name in names_read(value):
+            earlier = [(at, v) for at, bound_name, v in definitions if bound_name == name and at < line]
+            if earlier and (name, earlier[-1][0]) not in seen:
+                seen.add((name, earlier[-1][0]))
+                pending.append((earlier[-1][1], earlier[-1][0]))
+    dropping = next(filter(None, (_reduces_rows(source) for source in sources)), None)
+    if dropping is not None:
+        raise NotAdaptable(f"line {accumulation.lineno}: what the loop adds goes through {dropping}, which may give "
+                           "a value with rows for an expert no token chose")
+
+
+def _reduces_rows(value: ast.AST) -> str | None:
+    """The first reduction in `value` over dim 0 (`y.sum(0)`, `torch.mean(y, dim=0)`) or over every dim
+    (`y.sum()`), named; None. Reductions over a later or a negative dim (a row's own values) are taken."""
+    for node in ast.walk(value):
+        name = call_name(node)
+        if name not in REDUCTIONS or not isinstance(node.func, ast.Attribute | ast.Name):
+            continue
+        function = isinstance(node.func, ast.Name) or (isinstance(node.func.value, ast.Name)
+                                                        and node.func.value.id in ("torch", "F"))
+        dims = [k.value for k in node.keywords if k.arg in ("dim", "axis")] or list(node.args[1:] if function
+                                                                                      else node.args)
+        if len(dims) == 1 and isinstance(dims[0], ast.Tuple | ast.List):
+            dims = list(dims[0].elts)
+        whole = not dims and (len(node.args) == (1 if function else 0))
+        if whole or any(isinstance(d, ast.Constant) and d.value == 0 for d in dims):
+            return f"`{ast.unparse(node)[:40]}`"
+    return None
 
 
 def _check_calls(loop: ast.For, callees: Callees) -> None:
@@ -1883,7 +2006,7 @@ class _Rewrite(ast.NodeTransformer):
         if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id in self.by_hit:
             loop = self.by_hit[node.targets[0].id]
             operand, flattened = _hit_operand(node.value)
-            helper, gated = ("hit_rows", f", {_GATED}_{loop.hit}") if loop.gated else ("all_rows", "")
+            helper, gated = ("hit_rows", f", {_TESTED}_{loop.hit}") if loop.gated else ("all_rows", "")
             call = _parse_expr(f"{_HELPERS}.{helper}(__C__, {loop.mask}, {loop.dims!r}, {flattened})")
             call.args[0] = operand
             new = ast.Assign(
@@ -1928,7 +2051,7 @@ class _Rewrite(ast.NodeTransformer):
         index = f"{_INDEX}_{loop.var}"
         every_row = f"{_ALL}_{loop.hit}"
         visited = [stmt for body in (self.visit(s) for s in node.body) for stmt in _as_list(body)]
-        gated = {loop.mask: f"{_GATED}_{loop.hit}"} if loop.gated else {}
+        gated = {loop.mask: f"{_TESTED}_{loop.hit}"} if loop.gated else {}
         body = [_Subscripts(loop.var, index, every_row, gated, loop.alias).visit(stmt) for stmt in visited]
         body = [_IndexTests(loop, index).visit(stmt) for stmt in body]
         if loop.alias is not None:  # `A = int(var.item())` -> the loop index, when rows are 0..n-1
@@ -2027,21 +2150,20 @@ class _Subscripts(ast.NodeTransformer):
     def __init__(self, var: str, index: str, all_rows: str, gated: dict[str, str] | None = None,
                  alias: str | None = None):
         self.var, self.index, self.all_rows = var, index, all_rows
-        self.gated = gated or {}  # {mask: its gated copy}, read at the row instead (HitLoop.gated)
+        self.gated = gated or {}  # {mask: the hit test's flags}: the mask is read gated by them (HitLoop.gated)
         self.alias = alias
 
     def visit_Subscript(self, node: ast.Subscript):
         node = self.generic_visit(node)
-        if (self.alias is not None and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
-                and node.value.id in self.gated and isinstance(node.slice, ast.Name) and node.slice.id == self.alias):
-            node.value = ast.copy_location(ast.Name(self.gated[node.value.id], ast.Load()), node.value)
-            return node
+        if (isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) and node.value.id in self.gated
+                and isinstance(node.slice, ast.Name) and node.slice.id in (self.var, self.alias)):
+            tested = self.gated[node.value.id]
+            call = _parse_expr(f"{_HELPERS}.hit_row({node.value.id}, {tested}, {node.slice.id}, {self.index}, "
+                               f"{self.all_rows})")
+            return ast.copy_location(call, node)
         if isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Name) and node.slice.id == self.var:
             call = _parse_expr(f"{_HELPERS}.pick(__X__, {self.var}, {self.index}, {self.all_rows})")
-            container = node.value
-            if isinstance(container, ast.Name) and container.id in self.gated:
-                container = ast.copy_location(ast.Name(self.gated[container.id], ast.Load()), container)
-            call.args[0] = container
+            call.args[0] = node.value
             return ast.copy_location(call, node)
         if isinstance(node.slice, ast.Tuple):  # X[rows, var, None]: a 0-dim var indexes as its value
             node.slice.elts = [
@@ -2129,15 +2251,21 @@ def all_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...], flat
 
 
 def hit_rows(test: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...], flattened: bool = False):
-    """`all_rows`, and the mask the loop reads at each row: where every row is visited, `mask` with the
-    rows the test rejects zeroed (a `sum > 0` test over a mask that may hold negative entries: the
-    original never visits such a row, the copy finds no entry in it), else `mask` itself. A boolean mask
-    sums above zero exactly where it has an entry, so it is read as it is."""
+    """`all_rows`, and the test's flags (one per row) where every row is visited, else None: the loop
+    reads each row of the mask through `hit_row`."""
     rows, every_row = all_rows(test, mask, dims, flattened)
-    if not every_row or mask.dtype == torch.bool:
-        return rows, every_row, mask
-    kept = test.reshape(-1, *(1,) * (mask.dim() - 1))
-    return rows, every_row, torch.where(kept, mask, mask.new_zeros(()))
+    return rows, every_row, (test if every_row else None)
+
+
+def hit_row(mask: torch.Tensor, tested: torch.Tensor | None, row, index: int, every_row: bool):
+    """`mask[row]` as the body reads it, zeroed where the hit test rejected the row: a `sum > 0` test over
+    a mask that may hold negative entries (or was changed since the test) can reject a row with entries,
+    which the original never visits; the copy finds no entry in it. The mask is read when the body reads
+    it, the flags when the test ran, as in the original."""
+    picked = pick(mask, row, index, every_row) if isinstance(row, torch.Tensor) else mask[row]
+    if not every_row or tested is None:
+        return picked
+    return torch.where(tested[index], picked, picked.new_zeros(()))
 
 
 def rows_to_visit(hit: torch.Tensor, every_row: bool, indexed) -> int:
@@ -2163,6 +2291,8 @@ def pick(container, row: torch.Tensor, index: int, every_row: bool):
 def out_of(container, dim: int, value: int) -> bool:
     """Whether `container[..., value, ...]` (`value` at `dim`) would raise: a key a mapping lacks, or
     past the end of a module list, a sequence or a tensor's dim (False for anything else: as written)."""
+    if isinstance(container, dict) and hasattr(type(container), "__missing__"):
+        return False  # a defaultdict makes the key: as written
     if isinstance(container, (dict, torch.nn.ModuleDict, torch.nn.ParameterDict)):  # a tuple: dynamo 2.9
         return value not in container
     if not isinstance(value, int):  # a formatted key into a sequence: raises in both, as written
@@ -2313,6 +2443,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         all_rows=all_rows,
         hit_rows=hit_rows,
+        hit_row=hit_row,
         pick=pick,
         rows_to_visit=rows_to_visit,
         index_value=index_value,

@@ -21,7 +21,7 @@ import torch
 
 from .source_ast import NotAdaptable, call_name, function_source, in_place_name, namespace_of
 
-_REDUCTIONS = frozenset({
+REDUCTIONS = frozenset({
     "sum", "mean", "prod", "max", "min", "amax", "amin", "aminmax", "std", "var", "std_mean", "var_mean",
     "norm", "logsumexp", "any", "all", "argmax", "argmin", "median", "nanmedian", "nanmean", "nansum",
     "mode", "kthvalue", "quantile", "nanquantile", "count_nonzero", "vector_norm", "matrix_norm",
@@ -120,7 +120,7 @@ def _op_dropping(name: str, call: ast.Call | None, made=lambda expr: call_name(e
         return name  # `matmul(ones(1, n), y)`
     if name in ("view", "reshape") and args and isinstance(args[0], ast.Constant) and args[0].value != -1:
         return name  # `view(1, -1, h)`: the rows off dim 0
-    if name in _REDUCTIONS and not _all_later(dims):
+    if name in REDUCTIONS and not _all_later(dims):
         return name
     if name in ("transpose", "swapdims") and not (len(dims) == 2 and _all_later(dims)):
         return name
