@@ -1243,10 +1243,10 @@ def _check_body(
 
 
 def _check_added_rows(loop: ast.For, accumulation, callees: Callees) -> None:
-    """What the loop adds has no rows where the expert's rows are none: no reduction over dim 0 or over
-    every dim in the added value or the body's bindings it is computed from. Else an expert no token chose
-    would add a row of its own in the copy, or fail the trace's size check where the written loop never
-    runs it (`y.sum(0, keepdim=True)`)."""
+    """What the loop adds has no rows where the expert's rows are none: no reduction over its rows that
+    keeps a row (`_reduces_rows`) in the added value or the body's bindings it is computed from. Else an
+    expert no token chose would add a row of its own in the copy, or fail the trace's size check where
+    the written loop never runs it (`y.sum(0, keepdim=True)`)."""
     if isinstance(accumulation, ast.AugAssign):
         added = accumulation.value
     else:
@@ -1273,16 +1273,21 @@ def _check_added_rows(loop: ast.For, accumulation, callees: Callees) -> None:
 
 
 def _reduces_rows(value: ast.AST) -> str | None:
-    """The first reduction in `value` over dim 0 (`y.sum(0)`, `torch.mean(y, dim=0)`) or over every dim
-    (`y.sum()`), named; None. Reductions over a later or a negative dim (a row's own values) are taken."""
+    """The first reduction in `value` that keeps a row of its own (`keepdim=True`) over dim 0 or over every
+    dim (`y.sum(0, keepdim=True)`), named; None. Without keepdim the rows' dim is gone, and the value
+    broadcasts back onto no rows (`y - y.mean(0)`) or fails in the written code too; over a later or a
+    negative dim it reduces a row's own values."""
     for node in ast.walk(value):
         name = call_name(node)
         if name not in REDUCTIONS or not isinstance(node.func, ast.Attribute | ast.Name):
             continue
         function = isinstance(node.func, ast.Name) or (isinstance(node.func.value, ast.Name)
                                                         and node.func.value.id in ("torch", "F"))
-        dims = [k.value for k in node.keywords if k.arg in ("dim", "axis")] or list(node.args[1:] if function
-                                                                                      else node.args)
+        positional = list(node.args[1:] if function else node.args)
+        kept = [k.value for k in node.keywords if k.arg == "keepdim"] + positional[1:2]  # `y.sum(0, True)`
+        if not any(not (isinstance(k, ast.Constant) and not k.value) for k in kept):
+            continue
+        dims = [k.value for k in node.keywords if k.arg in ("dim", "axis")] or positional[:1]
         if len(dims) == 1 and isinstance(dims[0], ast.Tuple | ast.List):
             dims = list(dims[0].elts)
         whole = not dims and (len(node.args) == (1 if function else 0))
