@@ -1080,7 +1080,7 @@ def _check_body(
                                                                          one.get(n) != saved.get(n))
                              for n in one.keys() | other.keys()})
             elif isinstance(part, dict):
-                part.update({n: v for n, v in one.items() if n in other and other[n] is v or other.get(n) == v})
+                part.update({n: v for n, v in one.items() if n in other and (other[n] is v or other[n] == v)})
             else:
                 part.update(one & other)
 
