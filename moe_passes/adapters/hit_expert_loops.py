@@ -18,8 +18,8 @@ before the loop, at rows `torch.where(M[e])` (or `M[e].nonzero()`), where the hi
 `M.sum(dims) > 0` over the non-leading dims of a one-hot M (so non-negative) or `M.any(dims)`. For an
 expert the original loop skips, the test is false, so M[e] has no non-zero entry, the rows are empty and
 the accumulation adds nothing; every other statement only binds names local to one iteration. Where M is
-not known to be non-negative (handed in, or changed in place), the body reads M[e] from M gated by the
-test (`hit_rows`: the rejected rows zeroed), so the same holds without that premise. An `if` on the
+not known to be non-negative (handed in, or changed in place), the body reads M[e] zeroed where the test
+rejected e (`hit_row`), so the same holds without that premise. An `if` on the
 module's attributes (`if self.training:`) is read arm by arm from the same state. The
 element bound to the loop variable is the same [1]-shaped int64 tensor as before, so indexing with it
 keeps its shapes (top-1 routing included); `var = var[0]` as the body's first statement (the 0-dim
