@@ -121,7 +121,23 @@ class AddedIntoTheInput(SegmentMoE):
         return layer_input.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
 
 
+class GateSecond(SegmentMoE):
+    """dolomite-engine's GLU: `x[0] * act(x[1])`, the gate in the second half of the joined projection."""
+
+    def forward(self, layer_input):
+        bsz, length, emb_size = layer_input.size()
+        layer_input = layer_input.reshape(-1, emb_size)
+        _, batch_index, batch_gates, expert_size = self.router(layer_input)
+        hidden_states = self.input_linear(layer_input[batch_index], expert_size)
+        chunked = hidden_states.chunk(2, dim=-1)
+        hidden_states = chunked[0] * self.activation(chunked[1])
+        expert_outputs = self.output_linear(hidden_states, expert_size) * batch_gates[:, None]
+        zeros = torch.zeros((bsz * length, emb_size), dtype=expert_outputs.dtype)
+        return zeros.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
+
+
 NEAR_MISSES = {
+    "gate_second": (None, GateSecond, "the activation reads the second half of the joined gate/up projection"),
     "descending_sort": (DescendingGate, None, "not ordered by sorting the flat expert ids"),
     "sizes_in_another_order": (ShiftedCountsGate, None, "is not the run of sorted slots routed to it"),
     "counts_of_other_ids": (SwappedCountsGate, None, "is not the run of sorted slots routed to it"),

@@ -44,7 +44,7 @@ from . import probe
 from .expert_terms import ExpertTerm, first_no_match, is_zero_init, no_mlp_reason, read_term, role_weights
 from .finder import Candidate, Finder
 from .matches import IDS_WEIGHTS_SHAPES, MIXED_GATE_UP, Decline, ExpertsMatch, NoMatch, unprobeable
-from .mlp import activation_of, gated_product, halves, projection
+from .mlp import GATE_SECOND, activation_of, gate_second, gated_product, halves, projection
 from .slots import INPUT_SCALED, Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, gather_parts, sorted_ids
 
 aten = torch.ops.aten
@@ -222,6 +222,8 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
     product = gated_product(joined.rows)
     split = halves(product.gate, product.up) if product is not None else None
     inner = _joined(split[0]) if split is not None else None
+    if inner is None and product is not None and gate_second(product):
+        return NoMatch(GATE_SECOND, piece)
     if inner is None or len(inner.pieces) != experts:
         found = getattr(joined.rows.target, "__name__", str(joined.rows.target))
         return NoMatch(

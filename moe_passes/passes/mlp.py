@@ -112,6 +112,16 @@ def halves(gate: Node, up: Node) -> tuple[Node, int] | None:
     return None
 
 
+GATE_SECOND = ("the activation reads the second half of the joined gate/up projection (up * act(gate) with up "
+               "first, as dolomite-engine's GLU `x[0] * act(x[1])`); the fused kernel's joined weights take the "
+               "gate first")
+
+
+def gate_second(product: GatedProduct) -> bool:
+    """act(gate) * up where gate and up are the second and the first half of one tensor (`halves` swapped)."""
+    return halves(product.up, product.gate) is not None
+
+
 def same_value(a: object, b: object, depth: int = 4) -> bool:
     """Whether two nodes compute the same value: the same node, or the same op on the same arguments.
 
@@ -405,6 +415,8 @@ def stacked_gate(down_input: Node, separate: bool = False) -> StackedGate | NoMa
             )
         if separate:
             return StackedGate(activation, None, None, product.gate, product.up)
+        if gate_second(product):
+            return NoMatch(GATE_SECOND, down_input)
         return NoMatch("gate and up are not the two halves of one projection", down_input)
     return StackedGate(activation, split[0], None)
 
