@@ -402,10 +402,7 @@ def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
         bound[0].value = ast.copy_location(rows, bound[0].value)
         loop.iter = ast.copy_location(ast.Name(hit, ast.Load()), loop.iter)
         row = f"{_INDEX}_row_{loop.target.id}"
-        alias = ast.parse(f"{loop.target.id} = int({row}[0])").body[0]
-        for part in ast.walk(alias):
-            if isinstance(part, ast.expr | ast.stmt):
-                ast.copy_location(part, loop.body[0])
+        alias = _placed(f"{loop.target.id} = int({row}[0])", loop.body[0])
         loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
         loop.body = [alias, *loop.body]
     ast.fix_missing_locations(fn_def)
@@ -792,11 +789,7 @@ def _formatted_numbers_as_alias(loop: ast.For) -> None:
         return  # the row or its alias bound again: `var[0]` may be another value where it is formatted
     if alias is None:
         alias = f"{_INDEX}_number_{var}"
-        first = ast.parse(f"{alias} = int({var}[0])").body[0]
-        for part in ast.walk(first):
-            if isinstance(part, ast.expr | ast.stmt):
-                ast.copy_location(part, loop.body[0])
-        loop.body.insert(0, first)
+        loop.body.insert(0, _placed(f"{alias} = int({var}[0])", loop.body[0]))
     for value in formatted:
         value.value = ast.copy_location(ast.Name(alias, ast.Load()), value.value)
 
@@ -2068,10 +2061,7 @@ class _Rewrite(ast.NodeTransformer):
                                     f"{_HELPERS}.out_of({source}, {dim}, {key})"]) + ")"
                 for conditions, source, dim, key in loop.guarded_indexed)
             if past_end:  # rows at which the body indexes past a container: the original never visits them
-                skip = ast.parse(f"if {every_row} and ({past_end}):\n    continue").body[0]
-                for part in ast.walk(skip):
-                    if isinstance(part, ast.expr | ast.stmt):
-                        ast.copy_location(part, first)
+                skip = _placed(f"if {every_row} and ({past_end}):\n    continue", first)
                 body = [first, skip, *body[1:]]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
         sized = ", ".join(f"({source}, {dim})" for source, dim in loop.indexed)
@@ -2124,7 +2114,12 @@ def _as_list(visited) -> list:
 
 def _statement(helper: str, at: ast.AST) -> ast.stmt:
     """`<helpers>.<helper>()` as a statement, reported at `at`'s line."""
-    stmt = ast.parse(f"{_HELPERS}.{helper}()").body[0]
+    return _placed(f"{_HELPERS}.{helper}()", at)
+
+
+def _placed(source: str, at: ast.AST) -> ast.stmt:
+    """The statement `source`, every node of it reported at `at`'s line (a statement the copy adds)."""
+    stmt = ast.parse(source).body[0]
     for part in ast.walk(stmt):
         if isinstance(part, ast.expr | ast.stmt):
             ast.copy_location(part, at)
