@@ -7,8 +7,12 @@ Mirrors transformers 5.23.0 (release wheel) `src/transformers/models/mixtral/mod
 Iterating a tensor of data-dependent length cannot be traced, so dynamo breaks the graph (even with
 `capture_dynamic_output_shape_ops`) and no MoE layer reaches the passes whole.
 
-Nothing can be fused; the report must name the graph breaks and give the setting that removes them
-(`experts_implementation="grouped_mm"`).
+The near miss is the catalog's dispatch: its blocks hand the experts function to the module at
+construction (`self._experts_forward`), a value the expert-loop adapter does not follow (it reads the
+class's methods and the module functions `__init__` names). transformers' own classes hold the function
+in a method under `@use_experts_implementation`, which the adapter reads through (fused:
+tests/test_transformers_models.py). Here nothing is fused; the report must name the graph breaks and
+give the setting that removes them (`experts_implementation="grouped_mm"`).
 """
 
 from __future__ import annotations

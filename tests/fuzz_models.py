@@ -49,7 +49,7 @@ STORAGES = {
     "segment_loop": ("modulelist", "stacked", "transposed", "separate"),
     "grouped_mm": ("stacked", "transposed", "separate"),
     "batched_mm": ("stacked", "transposed"),
-    "hit_loop": ("stacked",),  # transformers 5.x `eager` experts: breaks the graph, never fusable
+    "hit_loop": ("stacked",),  # transformers 5.x `eager` experts handed in as a function: breaks the graph
 }
 SHARED = ("none", "plain", "gated")
 # How each step of a sorted (grouped-GEMM) layer is spelled, drawn independently of the others, so that

@@ -8,6 +8,8 @@ declines, each naming the construct that stopped the proof.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1167,3 +1169,62 @@ def test_arms_of_a_fixed_test_are_read_as_the_body(cls, named):
     else:
         reason = hit_expert_loops.declined_classes()[f"{cls.__module__}.{cls.__qualname__}"]
         assert named in reason, reason
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decorated forwards: a wrapper holding the method in a closure cell is copied with the cell replaced.
+
+CALLS: list[int] = []
+
+
+def counted(fn):
+    """A user's decorator: counts the calls, holds the method in its closure."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        CALLS.append(1)
+        return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+def through_its_own_attribute(fn):
+    """A decorator whose wrapper reaches the method through `__wrapped__`, not through a cell."""
+
+    def wrapper(self, *args, **kwargs):
+        return wrapper.__wrapped__(self, *args, **kwargs)
+
+    return functools.update_wrapper(wrapper, fn)
+
+
+class CountedForward(HitExpertLoopMoE):
+    forward = counted(HitExpertLoopMoE.forward)
+
+
+class CountedWithoutGrad(HitExpertLoopMoE):
+    forward = torch.no_grad()(counted(HitExpertLoopMoE.forward))
+
+
+class ReachedThroughAnAttribute(HitExpertLoopMoE):
+    forward = through_its_own_attribute(HitExpertLoopMoE.forward)
+
+
+@pytest.mark.parametrize("cls", [CountedForward, CountedWithoutGrad], ids=lambda c: c.__name__)
+def test_a_decorated_forward_is_fused_and_its_wrapper_still_runs(cls):
+    model, inputs = FORM.build(layers=1, tokens=5, num_experts=6)
+    _swap(model, cls)
+    CALLS.clear()
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert (report.graph_count, report.graph_break_count, len(recorder.fused_nodes())) == (1, 0, 1), str(report)
+    assert CALLS, "the decorator's own code ran under the compile"
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+def test_a_wrapper_that_holds_no_cell_for_the_method_is_named():
+    model, inputs = FORM.build(layers=1, tokens=5, num_experts=6)
+    _swap(model, ReachedThroughAnAttribute)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert not recorder.fused_nodes()
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    reason = hit_expert_loops.declined_classes()[f"{ReachedThroughAnAttribute.__module__}.ReachedThroughAnAttribute"]
+    assert "does not hold the function it wraps in one closure cell" in reason, reason

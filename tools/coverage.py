@@ -26,6 +26,7 @@ table also gives the largest relative difference of a parameter's gradient to th
     python tools/coverage.py                       # markdown table on stdout
     python tools/coverage.py --families mixtral qwen3_moe --json coverage.json
     python tools/coverage.py --training --json coverage_training.json
+    python tools/coverage.py --implementations eager    # transformers' per-expert loop
 """
 
 from __future__ import annotations
@@ -379,6 +380,9 @@ def main(argv=None) -> int:
     parser.add_argument("--families", nargs="*")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--training", action="store_true", help="compile with gradients enabled, run backward")
+    parser.add_argument("--implementations", nargs="*", default=list(IMPLEMENTATIONS),
+                        help="experts implementations of the families that take one (default: %(default)s; "
+                             "transformers also has 'eager', its per-expert loop)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -388,7 +392,7 @@ def main(argv=None) -> int:
     rows = []
     families = moe_families()
     for family in args.families or families:
-        for implementation in IMPLEMENTATIONS if families.get(family, True) else ("own forward",):
+        for implementation in args.implementations if families.get(family, True) else ("own forward",):
             try:
                 rows.append(run(family, implementation, args.training))
             except Exception:  # noqa: BLE001 - one family never stops the table

@@ -70,7 +70,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import dis
-import functools
 import inspect
 import logging
 import os
@@ -126,6 +125,7 @@ from .source_ast import (
     call_name,
     changes_in_place,
     decided,
+    decorated,
     defining_bindings,
     function_source,
     in_place_name,
@@ -2485,7 +2485,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         held = {**held_functions(klass), **held}
     for name, fn in list(cls.__dict__.items()):
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
-        inner = grad_mode_decorated(fn)[0] if isinstance(fn, types.FunctionType) else None
+        inner = _undecorated(fn) if isinstance(fn, types.FunctionType) else None
         if not isinstance(fn, types.FunctionType) or not (
             may_hold_expert_loop(inner or fn) or _calls_adaptable_helper(inner or fn)
             or set(held) & set((inner or fn).__code__.co_names)
@@ -2517,18 +2517,15 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
     key = (name, fn)
 
     def decide():
-        inner, context = grad_mode_decorated(fn)
-        if inner is None and getattr(fn, "__wrapped__", None) is not None:
-            raise NotAdaptable(f"{name} is wrapped by a decorator")
-        fn_def, filename = function_source(inner or fn)
+        target, rewrap = decorated(fn)
+        fn_def, filename = function_source(target)
         this = _instance_name(fn_def)
         if not {_held_call(node, this) for node in walk_function(fn_def)} & adapted or not _gathers_at_data_sizes(fn_def):
             return "nothing to feed"
         new_def = deepcopy(fn_def)
         _prepend_calls(new_def, ("capture_dynamic_output_shapes",))
         new_def.decorator_list = []
-        traced = compile_with_helpers(inner or fn, new_def, filename, _HELPERS, _helpers_namespace())
-        return traced if context is None else redecorated(traced, context)
+        return rewrap(compile_with_helpers(target, new_def, filename, _HELPERS, _helpers_namespace()))
 
     decisions = _FEEDING.of(cls)
     decision = decided(decisions, key, f"{cls.__module__}.{cls.__qualname__}.{name}", decide,
@@ -2550,37 +2547,14 @@ def _gathers_at_data_sizes(fn_def: ast.FunctionDef) -> bool:
     return False
 
 
-def _grad_mode_decorator_code() -> types.CodeType:
-    @torch.no_grad()
-    def probe():
-        pass
-
-    return probe.__code__
-
-
-_GRAD_MODE_DECORATOR = _grad_mode_decorator_code()
-
-
-def grad_mode_decorated(fn: types.FunctionType) -> tuple[types.FunctionType | None, object]:
-    """(the function, the context it runs in) for a function decorated with torch's grad-mode context
-    managers (`@torch.no_grad()`, `@torch.inference_mode()`, `@torch.enable_grad()`: DeepSeek's
-    `moe_infer`), else (None, None). The traced copy is made of the function and runs in the same context."""
-    if getattr(fn, "__code__", None) is not _GRAD_MODE_DECORATOR or not fn.__closure__:
-        return None, None
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
-    inner, context = cells["func"].cell_contents, cells["ctx_factory"].cell_contents
-    return (inner, context) if isinstance(inner, types.FunctionType) else (None, None)
-
-
-def redecorated(traced: types.FunctionType, context) -> types.FunctionType:
-    """`traced` run inside `context()`, as the decorated original runs its function."""
-
-    @functools.wraps(traced)
-    def decorated(*args, **kwargs):
-        with context():
-            return traced(*args, **kwargs)
-
-    return decorated
+def _undecorated(fn: types.FunctionType) -> types.FunctionType:
+    """What the cheap filters read of `fn`: the function it runs under its decorators, also where a
+    wrapper is not read (`decorated` then names it when the method is decided)."""
+    try:
+        return decorated(fn)[0]
+    except NotAdaptable:
+        inner = inspect.unwrap(fn)
+        return inner if isinstance(inner, types.FunctionType) else fn
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -2601,7 +2575,8 @@ _LOOP_MASK_OPS = [
 
 def may_hold_expert_loop(fn: types.FunctionType) -> bool:
     """A cheap filter: `fn` names an op that selects tokens or reads counts, or its bytecode loops over
-    comparisons and indexing, and its source then shows a loop selecting tokens."""
+    comparisons and indexing, and its source then shows a loop selecting tokens (read under decorators)."""
+    fn = _undecorated(fn)
     return bool(_SIGNS & _names(fn.__code__)) or (_masks_in_a_loop(fn.__code__) and _selects_in_a_loop(fn))
 
 
@@ -2618,7 +2593,7 @@ def _selects_in_a_loop(fn: types.FunctionType) -> bool:
     """Some loop of `fn`'s source selects an expert's tokens (read only for methods the bytecode filter
     flags: a loop that indexes with a comparison may be anything, and only expert loops are reported)."""
     try:
-        fn_def, _ = function_source(inspect.unwrap(fn))
+        fn_def, _ = function_source(fn)
     except (NotAdaptable, OSError, TypeError, SyntaxError):
         return False
     boolean = _boolean_names(fn_def)
@@ -2703,7 +2678,8 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
     """The traced copy of a module function with an expert loop, or None (the reason is logged)."""
 
     def decide():
-        fn_def, filename, plan = analyse(fn)
+        target, rewrap = decorated(fn)
+        fn_def, filename, plan = analyse(target)
         # reported where a graph break lies in the function: the kept guards, or the capture left off
         notes = list(plan.kept_guards)
         if plan.static_lengths:
@@ -2714,7 +2690,7 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
             _KEPT_GUARDS.of(fn)["copy"] = [f"{fn.__module__}.{fn.__qualname__}: {r}" for r in notes]
         if not plan.changes_anything():
             return "nothing to adapt"
-        return rewrite(fn, fn_def, filename, plan)
+        return rewrap(rewrite(target, fn_def, filename, plan))
 
     decision = decided(_FUNCTION_DECISIONS.of(fn), "copy", f"{fn.__module__}.{fn.__qualname__}", decide,
                        "expert loop")
@@ -2749,10 +2725,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
     def decide():
-        inner, context = grad_mode_decorated(fn)
-        if inner is None and getattr(fn, "__wrapped__", None) is not None:
-            raise NotAdaptable(f"{name} is wrapped by a decorator")
-        target = inner or fn
+        target, rewrap = decorated(fn)
         fn_def, filename, plan = analyse(target, cls)
         this = _instance_name(fn_def)
         called = {_held_call(node, this) for node in walk_function(fn_def)}
@@ -2762,7 +2735,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
         if not plan.changes_anything():
             return "nothing to adapt"
         traced = rewrite(target, fn_def, filename, plan)
-        return _with_trusted(traced if context is None else redecorated(traced, context), plan)
+        return _with_trusted(rewrap(traced), plan)
 
     cache = _DECISIONS.of(cls)
     if isinstance(cache.get(key), types.FunctionType) and not still_holds(cache[key]):

@@ -7,7 +7,9 @@ import collections
 import inspect
 import logging
 import textwrap
+import types
 import weakref
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,50 @@ def function_source(fn) -> tuple[ast.FunctionDef, str]:
         raise NotAdaptable(f"{fn.__qualname__} is not a plain function definition")
     ast.increment_lineno(tree, first - 1)
     return fn_def, filename
+
+
+def decorated(fn: types.FunctionType) -> tuple[types.FunctionType, Callable[[types.FunctionType], types.FunctionType]]:
+    """(the function that `fn` runs under its decorators, how to make a copy of `fn` that runs another).
+
+    A decorator's wrapper made with `functools.wraps` names what it wraps (`__wrapped__`) and, being a
+    closure, holds it in a cell (torch's `@no_grad()`, transformers 5's `@use_experts_implementation`, a
+    timing or logging decorator of the user's). A copy of the wrapper with that one cell replaced runs
+    the wrapper's own code, as written, and calls the replacement where the wrapper called what it wraps:
+    what is proved of the replacement then holds of the copy. Followed through stacked decorators. An
+    undecorated function gives itself and the identity. NotAdaptable where a wrapper holds what it wraps
+    in no cell or in several (it may reach it another way), or is excluded from tracing (dynamo's
+    `disable`, honoured as written).
+    """
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        return fn, lambda replacement: replacement
+    name = getattr(fn, "__qualname__", repr(fn))
+    if getattr(fn, "_torchdynamo_disable", False):
+        raise NotAdaptable(f"{name} is excluded from tracing (torch.compiler.disable)")
+    cells = [i for i, cell in enumerate(getattr(fn, "__closure__", None) or ()) if _contents(cell) is inner]
+    if not isinstance(fn, types.FunctionType) or not isinstance(inner, types.FunctionType) or len(cells) != 1:
+        raise NotAdaptable(f"{name} is wrapped by a decorator that does not hold the function it wraps in "
+                           "one closure cell")
+    innermost, rewrap_inner = decorated(inner)
+
+    def rewrap(replacement: types.FunctionType) -> types.FunctionType:
+        held = rewrap_inner(replacement)
+        closure = tuple(types.CellType(held) if i == cells[0] else cell for i, cell in enumerate(fn.__closure__))
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+        copy.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
+        copy.__dict__.update(fn.__dict__)
+        copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+        copy.__wrapped__ = held
+        return copy
+
+    return innermost, rewrap
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def namespace_of(fn) -> collections.ChainMap:
