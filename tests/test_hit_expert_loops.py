@@ -1228,3 +1228,52 @@ def test_a_wrapper_that_holds_no_cell_for_the_method_is_named():
     assert_close_for_dtype(output, eager_output(model, inputs))
     reason = hit_expert_loops.declined_classes()[f"{ReachedThroughAnAttribute.__module__}.ReachedThroughAnAttribute"]
     assert "does not hold the function it wraps in one closure cell" in reason, reason
+
+
+class SqueezedHitList(HitExpertLoopMoE):
+    """NemotronH's spelling: the hit list squeezed to 1-D, each element read with `.item()`, and a skip
+    of experts with no rows."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().squeeze(-1)
+        for e in hit:
+            e = e.item()
+            slot, token = torch.where(mask[e])
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, self.experts[e](hidden_states[token]) * routing_weights[token, slot, None])
+        return out.view(x.shape)
+
+
+class SqueezedHitReadAsATensor(HitExpertLoopMoE):
+    """The element is also read as a tensor (0-dim here, [1]-shaped as a row of `nonzero`): as written."""
+
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().squeeze(-1)
+        for e in hit:
+            number = e.item()
+            slot, token = torch.where(mask[number])
+            y = self.experts[number](hidden_states[token]) * routing_weights[token, slot, None]
+            out.index_add_(0, token, y * (e.dim() + 1))
+        return out.view(x.shape)
+
+
+@pytest.mark.parametrize(("cls", "fused"), [(SqueezedHitList, True), (SqueezedHitReadAsATensor, False)],
+                         ids=lambda v: getattr(v, "__name__", ""))
+def test_a_squeezed_hit_list_read_as_numbers_is_fused(cls, fused):
+    model, inputs = FORM.build(layers=1, tokens=3, num_experts=6)
+    _swap(model, cls)
+    report, output, recorder = run_hpu_moe(model, inputs)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    if fused:
+        assert (report.graph_count, report.graph_break_count, len(recorder.fused_nodes())) == (1, 0, 1), str(report)
+    else:
+        assert not recorder.fused_nodes(), str(report)

@@ -300,6 +300,23 @@ def test_eager_experts_loop_is_fused(family):
     assert_close_for_dtype(output, eager_output(model, inputs))
 
 
+@pytest.mark.parametrize(("family", "named"), [
+    ("hy_v4", "gate and up are clamped before act(gate) * up"),
+    ("nemotron_h", "an expert is an ungated MLP, down(relu²(up(x)))"),
+])
+def test_eager_experts_loop_declined_names_the_mlp(family, named):
+    """The loop's decline names what the input of the down projection is, as the stacked finders do.
+    NemotronH's loop iterates `nonzero().squeeze(-1)` and reads each element with `.item()`."""
+    from tools import coverage
+
+    model = coverage.tiny_model(family, "eager")
+    inputs = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert report.graph_break_count == 0 and report.declined and not report.fused, str(report)
+    assert all(named in d.reason for d in report.declined), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 def test_zaya_router_that_reshapes_to_token_slots_last_is_fused(implementation):
     """ZAYA routes on [B, S, E] and reshapes ids and weights to (-1, k) only when it returns them (and

@@ -354,6 +354,41 @@ def _hit_list_operand(value: ast.AST) -> tuple[ast.AST, bool] | None:
     return (base, False) if not call.args else None
 
 
+def _squeezed_hits_read_as_numbers(fn_def: ast.FunctionDef, loop: ast.For, bound: ast.Assign) -> bool:
+    """`hit = T.nonzero().squeeze(-1)` read only by `for e in hit:` whose first statement reads the element
+    as a number (`e = e.item()`, `int(e)`; NemotronH's experts) becomes `hit = T.nonzero()` and
+    `for row in hit: e = int(row.item())`, in place; True where it did. `squeeze(-1)` drops nonzero's last
+    dim only where it is 1 (T 1-D): the element is then the 0-dim coordinate, and the row of `nonzero()`
+    its [1]-shaped twin, whose number is the same; for any other T both are the same rows, on which
+    `.item()` raises alike. The element is read by nothing else."""
+    value, hit, var = bound.value, bound.targets[0], loop.target.id
+    squeezed = (call_name(value) == "squeeze" and isinstance(value.func, ast.Attribute) and not value.keywords
+                and len(value.args) == 1 and (_minus_one(value.args) or isinstance(value.args[0], ast.Constant)
+                                              and value.args[0].value == 1))
+    operand = _nonzero_operand(value.func.value) if squeezed else None
+    if operand is None or not isinstance(hit, ast.Name) or not isinstance(loop.body[0], ast.Assign):
+        return False
+    first = loop.body[0]
+    read = number_read(first.value)
+    if read is not None and call_name(first.value) == "int" and call_name(read) == "item":
+        read = number_read(read)
+    if not (isinstance(read, ast.Name) and read.id == var and len(first.targets) == 1
+            and isinstance(first.targets[0], ast.Name)):
+        return False
+    reads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and n.id == hit.id and isinstance(n.ctx, ast.Load)]
+    element_reads = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == var]
+    if reads != [loop.iter] or (first.targets[0].id != var and element_reads != [read]):
+        return False
+    if first.targets[0].id == var and any(n is not read and isinstance(n.ctx, ast.Load)
+                                          for n in ast.walk(first.value) if isinstance(n, ast.Name) and n.id == var):
+        return False
+    bound.value = ast.copy_location(ast.Call(ast.Attribute(operand, "nonzero", ast.Load()), [], []), value)
+    row = f"{_INDEX}_row_{var}"
+    loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
+    loop.body[0] = _placed(f"{first.targets[0].id} = int({row}.item())", first)
+    return True
+
+
 def _minus_one(args: list[ast.expr]) -> bool:
     """`(-1)` or `((-1,))`: the arguments of a flattening view."""
     if len(args) == 1 and isinstance(args[0], ast.Tuple | ast.List):
@@ -388,6 +423,8 @@ def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
         hit = iterated.id
         bound = assignments.get(hit, [])
         if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
+            continue
+        if listed is None and _squeezed_hits_read_as_numbers(fn_def, loop, bound[0]):
             continue
         tensor = bound[0].value if listed is not None else _tolist_of(bound[0].value)
         found = _hit_list_operand(tensor) if tensor is not None else None

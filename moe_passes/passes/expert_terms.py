@@ -46,7 +46,9 @@ from .mlp import (
     halves,
     projection,
     row_scaled,
+    stacked_gate,
     ungated_activation,
+    ungated_reason,
 )
 from .slots import same_size
 
@@ -213,15 +215,21 @@ RESIDUAL_INSIDE = (
 
 def no_mlp_reason(node: Node, reason: str) -> str:
     """Why an expert's output `node` (scaled or not) reads as no gated MLP: a residual inside the expert, an
-    ungated MLP (named with its activation), else `reason`."""
+    ungated MLP (named with its activation), what the stacked finders name in the input of its down
+    projection (no act(gate) * up, a clamped SwiGLU, GPT-OSS's halves, the gate second), else `reason`."""
     if adds_inside(node):
         return RESIDUAL_INSIDE
     node = strip_casts(node)
-    for factor in _factors(node) if is_call(node, aten.mul.Tensor) else [node]:
-        activation = ungated_activation(factor) if isinstance(factor, Node) else None
+    factors = [f for f in (_factors(node) if is_call(node, aten.mul.Tensor) else [node]) if isinstance(f, Node)]
+    for factor in factors:
+        activation = ungated_activation(factor)
         if activation is not None:
-            return (f"an expert is an ungated MLP, down({activation}(up(x))); the fused kernel computes gated "
-                    "experts, down(act(gate(x)) * up(x))")
+            return ungated_reason(activation)
+    for factor in factors:
+        down = projection(_with_expert_bias(strip_casts(factor))[0])
+        gate = stacked_gate(down.input, separate=True) if down is not None else None
+        if isinstance(gate, NoMatch):
+            return gate.reason
     return reason
 
 

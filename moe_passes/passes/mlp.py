@@ -261,12 +261,23 @@ def ungated_activation(node: Node) -> str | None:
     projection allowed: Megatron's SwitchMLP, nomic-embed's experts); None otherwise. The kernel has no
     such form (it multiplies the activation by an up projection), so this only names a decline."""
     down = _biased_projection(node)
-    if down is None:
-        return None
-    act = strip_shape_ops(strip_casts(down.input))
+    return ungated_input(down.input) if down is not None else None
+
+
+def ungated_reason(activation: str) -> str:
+    return (f"an expert is an ungated MLP, down({activation}(up(x))); the fused kernel computes gated experts, "
+            "down(act(gate(x)) * up(x))")
+
+
+def ungated_input(down_input: Node) -> str | None:
+    """The activation's description when the input of a down projection is act(up(x)), else None."""
+    act = strip_shape_ops(strip_casts(down_input))
+    squared = is_call(act, aten.pow.Tensor_Scalar) and act.args[1] == 2  # relu², Nemotron-H and Primer's
+    if squared:
+        act = strip_shape_ops(strip_casts(act.args[0]))
     if not is_call(act, *_FUSABLE_ACTS, *_OTHER_ACTS) or _biased_projection(act.args[0]) is None:
         return None
-    return act.target.overloadpacket.__name__
+    return act.target.overloadpacket.__name__ + ("²" if squared else "")
 
 
 def _biased_projection(node: Node) -> Projection | None:
@@ -399,7 +410,8 @@ def stacked_gate(down_input: Node, separate: bool = False) -> StackedGate | NoMa
         return StackedGate(swiglu.description, swiglu.projection, swiglu)
     product = gated_product(down_input)
     if product is None:
-        return NoMatch(NOT_GATED, down_input)
+        ungated = ungated_input(down_input)
+        return NoMatch(NOT_GATED if ungated is None else ungated_reason(ungated), down_input)
     activation, described = activation_of(product.activation_node)
     if activation is None:
         return NoMatch(unsupported_activation(described), down_input)
