@@ -112,6 +112,7 @@ from .host_reads import (
     tensor_like,
     true_counts,
 )
+from .inlined import inline_copy, withdraw
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_loop, present_sequence
@@ -124,8 +125,8 @@ from .source_ast import (
     boolean_by_construction,
     call_name,
     changes_in_place,
+    clone,
     decided,
-    decorated,
     defining_bindings,
     function_source,
     in_place_name,
@@ -138,6 +139,7 @@ from .source_ast import (
     span,
     stored_names,
     strip_methods,
+    undecorated,
     walk_function,
 )
 from .source_ast import (
@@ -375,9 +377,12 @@ def _squeezed_hits_read_as_numbers(fn_def: ast.FunctionDef, loop: ast.For, bound
     if not (isinstance(read, ast.Name) and read.id == var and len(first.targets) == 1
             and isinstance(first.targets[0], ast.Name)):
         return False
-    reads = [n for n in walk_function(fn_def) if isinstance(n, ast.Name) and n.id == hit.id and isinstance(n.ctx, ast.Load)]
+    # every read, nested functions and lambdas included: the rename would change what they see
+    reads = [n for n in ast.walk(fn_def) if isinstance(n, ast.Name) and n.id == hit.id and isinstance(n.ctx, ast.Load)]
     element_reads = [n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == var]
-    if reads != [loop.iter] or (first.targets[0].id != var and element_reads != [read]):
+    inside = {id(n) for n in ast.walk(loop)}
+    read_outside = any(isinstance(n, ast.Name) and n.id == var and id(n) not in inside for n in ast.walk(fn_def))
+    if reads != [loop.iter] or read_outside or (first.targets[0].id != var and element_reads != [read]):
         return False
     if first.targets[0].id == var and any(n is not read and isinstance(n.ctx, ast.Load)
                                           for n in ast.walk(first.value) if isinstance(n, ast.Name) and n.id == var):
@@ -1215,7 +1220,8 @@ def _check_body(
             elif (present_in := _skipped_unless_present(stmt, var)) is not None:
                 absent_skips.append((stmt.lineno, present_in))
             else:
-                kind = "a call" if isinstance(stmt, ast.Expr) else f"an `{type(stmt).__name__.lower()}` statement"
+                word = type(stmt).__name__.lower()
+                kind = "a call" if isinstance(stmt, ast.Expr) else f"{'an' if word[0] in 'aeiou' else 'a'} `{word}` statement"
                 code = ast.unparse(stmt).splitlines()[0][:60]
                 raise NotAdaptable(
                     f"line {stmt.lineno}: {kind} in the loop body (`{code}`) may act for an expert no token "
@@ -1444,10 +1450,11 @@ def _check_accumulation(acc, rows: dict[str, int], bound: set[str]) -> int:
 
 
 def _not_read_after(loop: ast.For, var: str, fn_def: ast.FunctionDef) -> None:
-    """The loop variable is read only inside the loop: after a loop that now runs over every expert it
-    would hold the last expert's number, not the last one the original visited."""
+    """The loop variable (or the expert's number it is read into) is read only inside the loop, nested
+    functions and lambdas included: after a loop that now runs over every expert it would hold the last
+    expert's number, not the last one the original visited."""
     inside = {id(n) for n in ast.walk(loop)}
-    for node in walk_function(fn_def):
+    for node in ast.walk(fn_def):
         if id(node) not in inside and isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id == var:
             raise NotAdaptable(f"line {node.lineno}: the loop variable {var} is read outside the loop")
 
@@ -1642,6 +1649,8 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
         removable, skips = _check_body(node, node.target.id, mask, fn_def, callees=callees)
         _not_read_after(node, node.target.id, fn_def)
         alias = _element_alias(node.body[0], node.target.id) if node.body else None
+        if alias is not None:
+            _not_read_after(node, alias, fn_def)
         if alias is None:
             indexed, guarded = _indexed_containers(node, node.target.id), ()
         else:  # every container is checked row by row (rows_to_visit bounds nothing)
@@ -2554,7 +2563,7 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
     key = (name, fn)
 
     def decide():
-        target, rewrap = decorated(fn)
+        target = undecorated(fn)
         fn_def, filename = function_source(target)
         this = _instance_name(fn_def)
         if not {_held_call(node, this) for node in walk_function(fn_def)} & adapted or not _gathers_at_data_sizes(fn_def):
@@ -2562,7 +2571,8 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
         new_def = deepcopy(fn_def)
         _prepend_calls(new_def, ("capture_dynamic_output_shapes",))
         new_def.decorator_list = []
-        return rewrap(compile_with_helpers(target, new_def, filename, _HELPERS, _helpers_namespace()))
+        return _under_decorators(fn, target, cls, compile_with_helpers(target, new_def, filename, _HELPERS,
+                                                                      _helpers_namespace()))
 
     decisions = _FEEDING.of(cls)
     decision = decided(decisions, key, f"{cls.__module__}.{cls.__qualname__}.{name}", decide,
@@ -2585,13 +2595,28 @@ def _gathers_at_data_sizes(fn_def: ast.FunctionDef) -> bool:
 
 
 def _undecorated(fn: types.FunctionType) -> types.FunctionType:
-    """What the cheap filters read of `fn`: the function it runs under its decorators, also where a
-    wrapper is not read (`decorated` then names it when the method is decided)."""
+    """What the cheap filters read of `fn`: the function it runs under its decorators, also where that
+    is not taken (`undecorated` then names why when the method is decided)."""
     try:
-        return decorated(fn)[0]
+        return undecorated(fn)
     except NotAdaptable:
         inner = inspect.unwrap(fn)
         return inner if isinstance(inner, types.FunctionType) else fn
+
+
+def _under_decorators(fn: types.FunctionType, target: types.FunctionType, cls: type,
+                      copy: types.FunctionType) -> types.FunctionType:
+    """What hpu_moe traces for the method `fn` whose undecorated function `target` has the traced `copy`:
+    the copy itself for an undecorated method; for a decorated one, the decorators as written (a clone of
+    `fn`), with dynamo running the copy wherever they call `target` for an instance of `cls` (`inlined`).
+    The function they hold stays the same object, so a wrapper that reads its attributes or keys a
+    registry by it sees what it saw."""
+    if target is fn:
+        return copy
+    if not inline_copy(target, copy, cls):
+        raise NotAdaptable(f"{fn.__qualname__}: the function its decorators wrap is inlined as something else, "
+                           "or was changed after it was adapted")
+    return clone(fn)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -2715,8 +2740,7 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
     """The traced copy of a module function with an expert loop, or None (the reason is logged)."""
 
     def decide():
-        target, rewrap = decorated(fn)
-        fn_def, filename, plan = analyse(target)
+        fn_def, filename, plan = analyse(fn)
         # reported where a graph break lies in the function: the kept guards, or the capture left off
         notes = list(plan.kept_guards)
         if plan.static_lengths:
@@ -2727,7 +2751,7 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
             _KEPT_GUARDS.of(fn)["copy"] = [f"{fn.__module__}.{fn.__qualname__}: {r}" for r in notes]
         if not plan.changes_anything():
             return "nothing to adapt"
-        return rewrap(rewrite(target, fn_def, filename, plan))
+        return rewrite(fn, fn_def, filename, plan)
 
     decision = decided(_FUNCTION_DECISIONS.of(fn), "copy", f"{fn.__module__}.{fn.__qualname__}", decide,
                        "expert loop")
@@ -2762,7 +2786,9 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
     def decide():
-        target, rewrap = decorated(fn)
+        target = undecorated(fn)
+        if target is not fn:
+            withdraw(target, cls)  # decided again: no copy proved before runs until this decision
         fn_def, filename, plan = analyse(target, cls)
         this = _instance_name(fn_def)
         called = {_held_call(node, this) for node in walk_function(fn_def)}
@@ -2772,7 +2798,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
         if not plan.changes_anything():
             return "nothing to adapt"
         traced = rewrite(target, fn_def, filename, plan)
-        return _with_trusted(rewrap(traced), plan)
+        return _with_trusted(_under_decorators(fn, target, cls, traced), plan)
 
     cache = _DECISIONS.of(cls)
     if isinstance(cache.get(key), types.FunctionType) and not still_holds(cache[key]):

@@ -9,7 +9,6 @@ import logging
 import textwrap
 import types
 import weakref
-from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -36,48 +35,33 @@ def function_source(fn) -> tuple[ast.FunctionDef, str]:
     return fn_def, filename
 
 
-def decorated(fn: types.FunctionType) -> tuple[types.FunctionType, Callable[[types.FunctionType], types.FunctionType]]:
-    """(the function that `fn` runs under its decorators, how to make a copy of `fn` that runs another).
-
-    A decorator's wrapper made with `functools.wraps` names what it wraps (`__wrapped__`) and, being a
-    closure, holds it in a cell (torch's `@no_grad()`, transformers 5's `@use_experts_implementation`, a
-    timing or logging decorator of the user's). A copy of the wrapper with that one cell replaced runs
-    the wrapper's own code, as written, and calls the replacement where the wrapper called what it wraps:
-    what is proved of the replacement then holds of the copy. Followed through stacked decorators. An
-    undecorated function gives itself and the identity. NotAdaptable where a wrapper holds what it wraps
-    in no cell or in several (it may reach it another way), or is excluded from tracing (dynamo's
-    `disable`, honoured as written).
-    """
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is None:
-        return fn, lambda replacement: replacement
-    name = getattr(fn, "__qualname__", repr(fn))
-    if getattr(fn, "_torchdynamo_disable", False):
-        raise NotAdaptable(f"{name} is excluded from tracing (torch.compiler.disable)")
-    cells = [i for i, cell in enumerate(getattr(fn, "__closure__", None) or ()) if _contents(cell) is inner]
-    if not isinstance(fn, types.FunctionType) or not isinstance(inner, types.FunctionType) or len(cells) != 1:
-        raise NotAdaptable(f"{name} is wrapped by a decorator that does not hold the function it wraps in "
-                           "one closure cell")
-    innermost, rewrap_inner = decorated(inner)
-
-    def rewrap(replacement: types.FunctionType) -> types.FunctionType:
-        held = rewrap_inner(replacement)
-        closure = tuple(types.CellType(held) if i == cells[0] else cell for i, cell in enumerate(fn.__closure__))
-        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-        copy.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
-        copy.__dict__.update(fn.__dict__)
-        copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
-        copy.__wrapped__ = held
-        return copy
-
-    return innermost, rewrap
+def undecorated(fn: types.FunctionType) -> types.FunctionType:
+    """The function that `fn` runs under its decorators (`fn` itself when undecorated): the end of the
+    `__wrapped__` chain that `functools.wraps` leaves (torch's `@no_grad()`, transformers 5's
+    `@use_experts_implementation`, a user's timing or logging decorator). NotAdaptable where a wrapper on
+    the way is excluded from tracing (dynamo's `disable`, honoured as written) or the chain ends in no
+    plain function."""
+    level = fn
+    for _ in range(64):
+        if getattr(level, "_torchdynamo_disable", False):
+            raise NotAdaptable(f"{fn.__qualname__} is excluded from tracing (torch.compiler.disable)")
+        inner = getattr(level, "__wrapped__", None)
+        if inner is None:
+            break
+        level = inner
+    if not isinstance(level, types.FunctionType) or getattr(level, "__wrapped__", None) is not None:
+        raise NotAdaptable(f"{getattr(fn, '__qualname__', fn)} wraps no plain function")
+    return level
 
 
-def _contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
+def clone(fn: types.FunctionType) -> types.FunctionType:
+    """A new function object running `fn`'s code with `fn`'s globals, defaults and closure cells (the
+    cells themselves, shared): something to install or mark without touching the user's function."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    return copy
 
 
 def namespace_of(fn) -> collections.ChainMap:
