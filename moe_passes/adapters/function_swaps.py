@@ -16,7 +16,6 @@ import weakref
 
 from . import hit_expert_loops
 from .inlined import inline_copy, inlined_elsewhere
-from .source_ast import NotAdaptable, undecorated
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +32,7 @@ def look_at_callees(cls: type) -> list[str]:
             continue
         for name in method.__code__.co_names:
             callee = method.__globals__.get(name)
-            try:  # a decorated function: its wrappers run as written, around the function they wrap
-                callee = undecorated(callee) if isinstance(callee, types.FunctionType) else None
-            except NotAdaptable:
-                continue
-            if callee is None or callee in _SWAPPED or inlined_elsewhere(callee):
+            if not isinstance(callee, types.FunctionType) or callee in _SWAPPED or inlined_elsewhere(callee):
                 continue  # not a Python function, taken already, or inlined as something else (a ScriptFunction)
             if not hit_expert_loops.may_hold_expert_loop(callee):
                 continue

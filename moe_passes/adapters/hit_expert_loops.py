@@ -89,6 +89,7 @@ from .count_loops import (
     reads_counts_as_numbers,
     split_counts,
 )
+from .decorators import decorated
 from .host_reads import (
     CutToCapacity,
     CutToCount,
@@ -112,7 +113,6 @@ from .host_reads import (
     tensor_like,
     true_counts,
 )
-from .inlined import inline_copy, withdraw
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import PresentLoop, present_experts, present_loop, present_sequence
@@ -125,7 +125,6 @@ from .source_ast import (
     boolean_by_construction,
     call_name,
     changes_in_place,
-    clone,
     decided,
     defining_bindings,
     function_source,
@@ -139,7 +138,6 @@ from .source_ast import (
     span,
     stored_names,
     strip_methods,
-    undecorated,
     walk_function,
 )
 from .source_ast import (
@@ -2563,7 +2561,7 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
     key = (name, fn)
 
     def decide():
-        target = undecorated(fn)
+        target, rewrap = decorated(fn)
         fn_def, filename = function_source(target)
         this = _instance_name(fn_def)
         if not {_held_call(node, this) for node in walk_function(fn_def)} & adapted or not _gathers_at_data_sizes(fn_def):
@@ -2571,8 +2569,7 @@ def _feeding_copy(cls: type, name: str, fn: types.FunctionType, adapted: frozens
         new_def = deepcopy(fn_def)
         _prepend_calls(new_def, ("capture_dynamic_output_shapes",))
         new_def.decorator_list = []
-        return _under_decorators(fn, target, cls, compile_with_helpers(target, new_def, filename, _HELPERS,
-                                                                      _helpers_namespace()))
+        return rewrap(compile_with_helpers(target, new_def, filename, _HELPERS, _helpers_namespace()))
 
     decisions = _FEEDING.of(cls)
     decision = decided(decisions, key, f"{cls.__module__}.{cls.__qualname__}.{name}", decide,
@@ -2596,27 +2593,12 @@ def _gathers_at_data_sizes(fn_def: ast.FunctionDef) -> bool:
 
 def _undecorated(fn: types.FunctionType) -> types.FunctionType:
     """What the cheap filters read of `fn`: the function it runs under its decorators, also where that
-    is not taken (`undecorated` then names why when the method is decided)."""
+    is not taken (`decorated` then names why when the method is decided)."""
     try:
-        return undecorated(fn)
+        return decorated(fn)[0]
     except NotAdaptable:
         inner = inspect.unwrap(fn)
         return inner if isinstance(inner, types.FunctionType) else fn
-
-
-def _under_decorators(fn: types.FunctionType, target: types.FunctionType, cls: type,
-                      copy: types.FunctionType) -> types.FunctionType:
-    """What hpu_moe traces for the method `fn` whose undecorated function `target` has the traced `copy`:
-    the copy itself for an undecorated method; for a decorated one, the decorators as written (a clone of
-    `fn`), with dynamo running the copy wherever they call `target` for an instance of `cls` (`inlined`).
-    The function they hold stays the same object, so a wrapper that reads its attributes or keys a
-    registry by it sees what it saw."""
-    if target is fn:
-        return copy
-    if not inline_copy(target, copy, cls):
-        raise NotAdaptable(f"{fn.__qualname__}: the function its decorators wrap is inlined as something else, "
-                           "or was changed after it was adapted")
-    return clone(fn)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -2786,9 +2768,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
     where = f"{cls.__module__}.{cls.__qualname__}.{name}"
 
     def decide():
-        target = undecorated(fn)
-        if target is not fn:
-            withdraw(target, cls)  # decided again: no copy proved before runs until this decision
+        target, rewrap = decorated(fn)
         fn_def, filename, plan = analyse(target, cls)
         this = _instance_name(fn_def)
         called = {_held_call(node, this) for node in walk_function(fn_def)}
@@ -2798,7 +2778,7 @@ def _decide(cls: type, name: str, fn: types.FunctionType, held: dict) -> types.F
         if not plan.changes_anything():
             return "nothing to adapt"
         traced = rewrite(target, fn_def, filename, plan)
-        return _with_trusted(_under_decorators(fn, target, cls, traced), plan)
+        return _with_trusted(rewrap(traced), plan)
 
     cache = _DECISIONS.of(cls)
     if isinstance(cache.get(key), types.FunctionType) and not still_holds(cache[key]):

@@ -1,16 +1,14 @@
-"""Functions that dynamo, tracing for hpu_moe, runs as their adapted copies (`_torchdynamo_inline`).
+"""Module functions that dynamo, tracing for hpu_moe, runs as their adapted copies (`_torchdynamo_inline`).
 
 Dynamo traces a function's `_torchdynamo_inline` in its place (how it inlines a ScriptFunction's Python
-source), and only dynamo reads it. A function reached other than through a class attribute the adapter
-can replace (a module function called by its global name, SGLang's `moe_forward_native`; the method a
-decorator's wrapper holds, transformers 5's `@use_experts_implementation`) gets there a dispatcher that
-runs the adapted copy while dynamo traces for hpu_moe and the function's own code otherwise. The function
-itself stays what it was, so whatever holds it (a wrapper's closure, a registry keyed by it, its
-attributes) sees the same object. Eager calls never see the dispatcher; a compile for another backend
-traces the function's code one call deeper.
+source), and only dynamo reads it. A module function called by its global name (SGLang's
+`moe_forward_native`), which no class attribute the adapter could replace reaches, gets there a
+dispatcher that runs the adapted copy while dynamo traces for hpu_moe and the function's own code
+otherwise. Eager calls never see it; a compile for another backend traces the function's code one call
+deeper. A wrapper made with `functools.wraps` from the function after that copies the attribute (as it
+copies any), and dynamo then traces the dispatcher in the wrapper's place: not done for the methods a
+decorator wraps (`decorators` copies the wrapper instead).
 
-A copy proved for one class runs only for instances of that class (a function that several classes'
-wrappers hold gets one copy per class, each checked with `type(self) is cls`, a trace-time constant).
 The dispatcher stays once set (dynamo guards on it: taken away after each compile, it made every call
 recompile), until the function's `__code__`, `__defaults__`, `__kwdefaults__` or an attribute is replaced
 (the dispatcher carries a copy of its attributes, which dynamo reads in their place): the next
@@ -38,8 +36,7 @@ INLINE = "_torchdynamo_inline"
 # Dynamo starts the frame's analysis again on it, its speculation log cleared (as after it unspecialises
 # a module it found changed): the path taken at the dispatcher differs on the second run.
 _RESTART = getattr(torch._dynamo.exc, "UnspecializeRestartAnalysis", torch._dynamo.exc.RestartAnalysis)
-# function -> ((class or None, copy), ...): what its dispatcher runs; None runs for any arguments
-_COPIES: weakref.WeakKeyDictionary[types.FunctionType, tuple] = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType] = weakref.WeakKeyDictionary()
 _TAKEN_OFF: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()
 
 
@@ -49,31 +46,17 @@ def inlined_elsewhere(fn: types.FunctionType) -> bool:
     return fn in _TAKEN_OFF or (INLINE in vars(fn) and fn not in _COPIES)
 
 
-def inline_copy(fn: types.FunctionType, copy: types.FunctionType, owner: type | None = None) -> bool:
-    """Have dynamo, tracing for hpu_moe, run `copy` where `fn` is called (only with an instance of `owner`
-    as the first argument, where one is given); False where `fn` is left as it is (`inlined_elsewhere`)."""
+def inline_copy(fn: types.FunctionType, copy: types.FunctionType) -> bool:
+    """Have dynamo, tracing for hpu_moe, run `copy` where `fn` is called; False where `fn` is left as it
+    is (`inlined_elsewhere`)."""
     if inlined_elsewhere(fn):
         return False
-    pairs = tuple((o, c) for o, c in _COPIES.get(fn, ()) if o is not owner) + ((owner, copy),)
-    _COPIES[fn] = pairs
-    setattr(fn, INLINE, _dispatcher(fn, pairs))
+    _COPIES[fn] = copy
+    setattr(fn, INLINE, _dispatcher(fn, copy))
     return True
 
 
-def withdraw(fn: types.FunctionType, owner: type | None = None) -> None:
-    """No copy runs for `fn` with an instance of `owner` (its method is decided again)."""
-    pairs = tuple((o, c) for o, c in _COPIES.get(fn, ()) if o is not owner)
-    if fn not in _COPIES or len(pairs) == len(_COPIES[fn]):
-        return
-    if pairs:
-        _COPIES[fn] = pairs
-        setattr(fn, INLINE, _dispatcher(fn, pairs))
-    else:
-        del _COPIES[fn]
-        delattr(fn, INLINE)
-
-
-def _dispatcher(fn: types.FunctionType, pairs: tuple) -> types.FunctionType:
+def _dispatcher(fn: types.FunctionType, copy: types.FunctionType) -> types.FunctionType:
     """What dynamo traces for `fn`: a copy under hpu_moe, else `fn`'s own code (a clone without the
     attribute, which would otherwise send dynamo back here); neither once `fn` was changed."""
     own = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -91,9 +74,7 @@ def _dispatcher(fn: types.FunctionType, pairs: tuple) -> types.FunctionType:
     def traced(*args, **kwargs):
         check_unchanged()
         if adapters_active():
-            for owner, copy in pairs:
-                if owner is None or (args and type(args[0]) is owner):
-                    return copy(*args, **kwargs)
+            return copy(*args, **kwargs)
         return own(*args, **kwargs)
 
     # Dynamo reads a traced function's attributes on what it traces: the dispatcher carries `fn`'s (a

@@ -7,7 +7,6 @@ import collections
 import inspect
 import logging
 import textwrap
-import types
 import weakref
 
 log = logging.getLogger(__name__)
@@ -33,35 +32,6 @@ def function_source(fn) -> tuple[ast.FunctionDef, str]:
         raise NotAdaptable(f"{fn.__qualname__} is not a plain function definition")
     ast.increment_lineno(tree, first - 1)
     return fn_def, filename
-
-
-def undecorated(fn: types.FunctionType) -> types.FunctionType:
-    """The function that `fn` runs under its decorators (`fn` itself when undecorated): the end of the
-    `__wrapped__` chain that `functools.wraps` leaves (torch's `@no_grad()`, transformers 5's
-    `@use_experts_implementation`, a user's timing or logging decorator). NotAdaptable where a wrapper on
-    the way is excluded from tracing (dynamo's `disable`, honoured as written) or the chain ends in no
-    plain function."""
-    level = fn
-    for _ in range(64):
-        if getattr(level, "_torchdynamo_disable", False):
-            raise NotAdaptable(f"{fn.__qualname__} is excluded from tracing (torch.compiler.disable)")
-        inner = getattr(level, "__wrapped__", None)
-        if inner is None:
-            break
-        level = inner
-    if not isinstance(level, types.FunctionType) or getattr(level, "__wrapped__", None) is not None:
-        raise NotAdaptable(f"{getattr(fn, '__qualname__', fn)} wraps no plain function")
-    return level
-
-
-def clone(fn: types.FunctionType) -> types.FunctionType:
-    """A new function object running `fn`'s code with `fn`'s globals, defaults and closure cells (the
-    cells themselves, shared): something to install or mark without touching the user's function."""
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__dict__.update(fn.__dict__)
-    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
-    return copy
 
 
 def namespace_of(fn) -> collections.ChainMap:
