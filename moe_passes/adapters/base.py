@@ -103,9 +103,16 @@ def adapters_active() -> bool:
     return bool(options.get("adapters", True)) if isinstance(options, dict) else True
 
 
-def install(cls: type, traceable_forward: Callable, name: str, method: str = "forward") -> bool:
-    """Give `cls` a `method` that runs `traceable_forward` under hpu_moe tracing; False if already done."""
-    original = cls.__dict__.get(method, getattr(cls, method))
+def install(cls: type, traceable_forward: Callable, name: str, method: str = "forward", exact: bool = False) -> bool:
+    """Give `cls` a `method` that runs `traceable_forward` under hpu_moe tracing; False if already done.
+
+    exact: only for instances of `cls` itself (a copy proved from the class's attributes: a subclass may
+    override one it read, and gets its own decision, installed on it, or the method as written). A method
+    `cls` inherits from a class adapted before is installed on `cls` over the inherited original."""
+    original = cls.__dict__.get(method)
+    if original is None:
+        inherited = getattr(cls, method)
+        original = getattr(inherited, "__moe_passes_original__", inherited) if exact else inherited
     # A forward goes beside methods the same adapter took (TensorRT-LLM's forward and `run_experts`), never
     # onto a class another adapter owns (the vLLM runners, the vLLM-style layers)
     owners = _ADAPTED.get(cls)
@@ -118,7 +125,7 @@ def install(cls: type, traceable_forward: Callable, name: str, method: str = "fo
     @functools.wraps(original)
     def adapted(self, *args, **kwargs):
         # Eager calls pay one check (is_compiling is False there); dynamo folds both tests while it traces.
-        if torch.compiler.is_compiling() and adapters_active():
+        if torch.compiler.is_compiling() and adapters_active() and (not exact or type(self) is cls):
             _refresh()
             return traced[0](self, *args, **kwargs)
         return original(self, *args, **kwargs)

@@ -142,7 +142,7 @@ def _install_adapters(cls: type) -> bool:
         return True
     loops = hit_expert_loops.adaptations_of(cls)
     _note_helper_reads(cls, loops)
-    installed = [install(cls, traced, hit_expert_loops.NAME, method) for method, traced in loops.items()]
+    installed = [install(cls, traced, hit_expert_loops.NAME, method, exact=True) for method, traced in loops.items()]
     installed += [
         install(cls, traced, device_moves.NAME, method)
         for method, traced in device_moves.adaptations_of(cls, taken=set(loops)).items()

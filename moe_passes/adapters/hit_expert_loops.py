@@ -2527,7 +2527,7 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
     held = {}
     for klass in cls.__mro__[:-1]:  # functions stored by this class's __init__ or a base's
         held = {**held_functions(klass), **held}
-    for name, fn in list(cls.__dict__.items()):
+    for name, fn in _methods_resolved(cls).items():
         fn = getattr(fn, "__moe_passes_original__", fn)  # already installed: decide on the original
         inner = _undecorated(fn) if isinstance(fn, types.FunctionType) else None
         if not isinstance(fn, types.FunctionType) or not (
@@ -2538,12 +2538,25 @@ def adaptations_of(cls: type) -> dict[str, types.FunctionType]:
         traced = _decide(cls, name, fn, held)
         if traced is not None:
             found[name] = traced
-    for name, fn in list(cls.__dict__.items()) if found else ():
+    for name, fn in _methods_resolved(cls).items() if found else ():
         fn = getattr(fn, "__moe_passes_original__", fn)
         if name not in found and isinstance(fn, types.FunctionType):
             traced = _feeding_copy(cls, name, fn, frozenset(found))
             if traced is not None:
                 found[name] = traced
+    return found
+
+
+def _methods_resolved(cls: type) -> dict[str, object]:
+    """{name: what `cls.name` resolves to} for the attributes `cls` and its user-defined bases define (not
+    nn.Module's or object's): an inherited method is decided for `cls` too, since the proof reads the
+    class's attributes (a subclass may override a helper the loop calls)."""
+    found: dict[str, object] = {}
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or klass is object:
+            break
+        for name, value in list(vars(klass).items()):
+            found.setdefault(name, value)
     return found
 
 
