@@ -1433,3 +1433,38 @@ def test_an_inherited_loop_is_decided_for_the_subclass(cls, fused):
     expected = eager_output(model, inputs)
     assert_close_for_dtype(output, expected)
     assert len(recorder.fused_nodes()) == (1 if fused else 0), str(report)
+
+
+def doubled(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs) * 2.0
+
+    return wrapper
+
+
+@doubled
+def _doubled_hit_loop(layer, hidden_states, routing_weights, selected_experts):
+    out = torch.zeros_like(hidden_states)
+    mask = F.one_hot(selected_experts, num_classes=layer.num_experts).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        slot, token = torch.where(mask[e].squeeze(0))
+        out.index_add_(0, token, layer.experts[e](hidden_states[token]) * routing_weights[token, slot, None])
+    return out
+
+
+class CallsADecoratedFunction(HitExpertLoopMoE):
+    def forward(self, x):
+        hidden_states = x.view(-1, x.shape[-1])
+        routing_weights, selected_experts = self.router(hidden_states)
+        return _doubled_hit_loop(self, hidden_states, routing_weights, selected_experts).view(x.shape)
+
+
+def test_a_decorated_module_function_keeps_its_decorator():
+    """A module function's copy was made from the source `inspect` gives, the wrapped function's: its
+    dispatcher then dropped the decorator (a review's wrong output). Decorated module functions stay as written."""
+    model, inputs = FORM.build(layers=1, tokens=5, num_experts=6)
+    _swap(model, CallsADecoratedFunction)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -2735,6 +2735,8 @@ def function_copy(fn: types.FunctionType) -> types.FunctionType | None:
     """The traced copy of a module function with an expert loop, or None (the reason is logged)."""
 
     def decide():
+        if getattr(fn, "__wrapped__", None) is not None:  # its source would be the wrapped function's
+            raise NotAdaptable(f"{fn.__qualname__} is a decorated module function (its wrapper is not read)")
         fn_def, filename, plan = analyse(fn)
         # reported where a graph break lies in the function: the kept guards, or the capture left off
         notes = list(plan.kept_guards)
