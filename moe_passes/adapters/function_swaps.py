@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import logging
 import types
-import weakref
 
 from . import hit_expert_loops
-from .inlined import inline_copy, inlined_elsewhere
+from .inlined import given, inline_copy, inlined_elsewhere
 
 log = logging.getLogger(__name__)
 
-_SWAPPED: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()  # functions given a dispatcher
 
 
 def look_at_callees(cls: type) -> list[str]:
@@ -32,13 +30,12 @@ def look_at_callees(cls: type) -> list[str]:
             continue
         for name in method.__code__.co_names:
             callee = method.__globals__.get(name)
-            if not isinstance(callee, types.FunctionType) or callee in _SWAPPED or inlined_elsewhere(callee):
+            if not isinstance(callee, types.FunctionType) or given(callee) or inlined_elsewhere(callee):
                 continue  # not a Python function, taken already, or inlined as something else (a ScriptFunction)
             if not hit_expert_loops.may_hold_expert_loop(callee):
                 continue
             copy = hit_expert_loops.function_copy(callee)
             if copy is not None and inline_copy(callee, copy):
-                _SWAPPED.add(callee)
                 taken.append(f"{callee.__module__}.{callee.__qualname__}")
                 log.info("expert loop of %s.%s traced as its copy under hpu_moe", callee.__module__,
                          callee.__qualname__)

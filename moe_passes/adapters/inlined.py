@@ -36,14 +36,19 @@ INLINE = "_torchdynamo_inline"
 # Dynamo starts the frame's analysis again on it, its speculation log cleared (as after it unspecialises
 # a module it found changed): the path taken at the dispatcher differs on the second run.
 _RESTART = getattr(torch._dynamo.exc, "UnspecializeRestartAnalysis", torch._dynamo.exc.RestartAnalysis)
-_COPIES: weakref.WeakKeyDictionary[types.FunctionType, types.FunctionType] = weakref.WeakKeyDictionary()
+_GIVEN: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()  # functions whose dispatcher is set
 _TAKEN_OFF: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()
 
 
 def inlined_elsewhere(fn: types.FunctionType) -> bool:
     """`fn` already has an `_torchdynamo_inline` this module did not set (a ScriptFunction's source), or had
     its dispatcher taken off after a change: it is left as it is."""
-    return fn in _TAKEN_OFF or (INLINE in vars(fn) and fn not in _COPIES)
+    return fn in _TAKEN_OFF or (INLINE in vars(fn) and fn not in _GIVEN)
+
+
+def given(fn: types.FunctionType) -> bool:
+    """`fn` has a dispatcher from this module, or had one taken off (it is not given another)."""
+    return fn in _GIVEN or fn in _TAKEN_OFF
 
 
 def inline_copy(fn: types.FunctionType, copy: types.FunctionType) -> bool:
@@ -51,7 +56,7 @@ def inline_copy(fn: types.FunctionType, copy: types.FunctionType) -> bool:
     is (`inlined_elsewhere`)."""
     if inlined_elsewhere(fn):
         return False
-    _COPIES[fn] = copy
+    _GIVEN.add(fn)
     setattr(fn, INLINE, _dispatcher(fn, copy))
     return True
 
@@ -105,7 +110,7 @@ def _same(state: list, made_from: list) -> bool:
 def _take_off(fn: types.FunctionType) -> None:
     if INLINE in vars(fn):
         delattr(fn, INLINE)
-    _COPIES.pop(fn, None)
+    _GIVEN.discard(fn)
     _TAKEN_OFF.add(fn)  # not given a dispatcher again from a copy decided before
     log.info("%s.%s was changed after its expert loop was adapted: its dispatcher is taken off",
              fn.__module__, fn.__qualname__)
