@@ -546,6 +546,26 @@ class PerSequenceLoop(torch.nn.Module):
         return picked
 
 
+class SpanPerModuleLoop(torch.nn.Module):
+    """Per module of a list, the positions from its start on (a bound that changes with the module) and
+    the tokens whose score passes a threshold in a batch loop: spans and sequences, no expert's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.starts = [0, 3]
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in self.starts)
+
+    def forward(self, x, scores):
+        positions = torch.arange(x.size(0))
+        out = torch.zeros_like(x)
+        for i, block in enumerate(self.blocks):
+            span = positions >= self.starts[i]
+            out[span] += block(x[span])
+        for b in range(scores.size(0)):
+            out[b][scores[b] > 0] = 0
+        return out
+
+
 class ValueHistogram(torch.nn.Module):
     """A histogram over the values' own range handed to a method: counts of no experts."""
 
@@ -557,7 +577,8 @@ class ValueHistogram(torch.nn.Module):
         return sum(counts)
 
 
-@pytest.mark.parametrize("cls", [ClusterLoop, PerSequenceLoop, ValueHistogram, torch.nn.AdaptiveLogSoftmaxWithLoss])
+@pytest.mark.parametrize("cls", [ClusterLoop, PerSequenceLoop, SpanPerModuleLoop, ValueHistogram,
+                                 torch.nn.AdaptiveLogSoftmaxWithLoss])
 def test_loops_that_select_no_experts_tokens_are_not_adapted(cls):
     assert hit_expert_loops.adaptations_of(cls) == {}
 

@@ -113,6 +113,60 @@ class ScatterCountsGroupedMoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of_row, y)
 
 
+class TableColumnLoopMoE(nn.Module):
+    """Each expert on the tokens whose column of the [T, E] routing table is non-zero, as hand-written MoE
+    code reads a dense table in `for i, expert in enumerate(self.experts)`: the subclasses spell the column's
+    tokens three ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = TopKRouter()
+        self.experts = nn.ModuleList(SwiGLU() for _ in range(EXPERTS))
+
+    def table(self, x):
+        weights, ids = self.router(x)
+        return torch.zeros(x.size(0), len(self.experts), dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+
+
+class ColumnThresholdMoE(TableColumnLoopMoE):
+    """The column compared with 0, an accumulation through the boolean mask."""
+
+    def forward(self, x):
+        gates = self.table(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = gates[:, i] > 0
+            y[chosen] += gates[chosen, i, None] * expert(x[chosen])
+        return y
+
+
+class BoolTableColumnMoE(TableColumnLoopMoE):
+    """The table cast to bool once, its column looked up per expert."""
+
+    def forward(self, x):
+        gates = self.table(x)
+        routed = gates.bool()
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = routed[:, i]
+            y[chosen] = y[chosen] + gates[chosen, i].unsqueeze(-1) * expert(x[chosen])
+        return y
+
+
+class ColumnWhereSkipEmptyMoE(TableColumnLoopMoE):
+    """`torch.where` of the column, an expert with no rows skipped, `index_add_` of its output."""
+
+    def forward(self, x):
+        gates = self.table(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows, = torch.where(gates[:, i] > 0)
+            if rows.numel() == 0:
+                continue
+            y.index_add_(0, rows, gates[rows, i, None] * expert(x[rows]))
+        return y
+
+
 def _grouped_mm_runs_here() -> bool:
     try:
         offs = torch.tensor([2], dtype=torch.int32)
@@ -127,6 +181,9 @@ CASES = {
     "index_put_table": (lambda: ScatterAddTableMoE("index_put"), torch.float32, "dense_loop"),
     "one_hot_table": (OneHotTableMoE, torch.float32, "dense_loop"),
     "scatter_add_counts": (ScatterCountsGroupedMoE, torch.bfloat16, "grouped_mm"),
+    "column_threshold": (ColumnThresholdMoE, torch.float32, "sparse_loop"),
+    "column_of_bool_table": (BoolTableColumnMoE, torch.float32, "sparse_loop"),
+    "column_where_skip_empty": (ColumnWhereSkipEmptyMoE, torch.float32, "sparse_loop"),
 }
 
 
@@ -167,4 +224,26 @@ def test_a_table_of_other_weights_is_declined():
     expected = eager_output(model, inputs)
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and report.declined
+    torch.testing.assert_close(output, expected)
+
+
+def test_a_column_cut_at_a_weight_threshold_is_declined():
+    """`gates[:, i] > 0.3` drops the routes whose weight is below 0.3, which the fused kernel computes: the
+    probes' weights (whole numbers from 1) never show the cut, so it is declined, named, and runs as written."""
+
+    class ColumnCutMoE(TableColumnLoopMoE):
+        def forward(self, x):
+            gates = self.table(x)
+            y = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                chosen = gates[:, i] > 0.3
+                y[chosen] += gates[chosen, i, None] * expert(x[chosen])
+            return y
+
+    torch.manual_seed(0)
+    model = ColumnCutMoE().eval()
+    inputs = (torch.randn(TOKENS, HIDDEN),)
+    expected = eager_output(model, inputs)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and "threshold other than 0" in report.declined[0].reason
     torch.testing.assert_close(output, expected)

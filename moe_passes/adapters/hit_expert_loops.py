@@ -1785,9 +1785,11 @@ def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> boo
     """The loop selects the tokens of its expert: `torch.where(M)` (one argument) or a `nonzero` of M,
     where M compares with or is indexed by the loop variable (`ids == e`, `mask[e]`, `ids == start + e`),
     directly or through names bound in the loop, or a boolean-mask index `x[M]` with M boolean by
-    construction (a comparison, `.bool()`, `.any()`, or, in a `range` loop, a lookup `mask[e]` in a name
-    `boolean` holds: the function binds it only to booleans). Loops that select rows by anything else (cluster bounds,
-    padding masks) are not expert loops and are left alone."""
+    construction (a comparison, `.bool()`, `.any()`, or, in a `range` loop or one enumerating the layer's
+    experts, a lookup `mask[e]` / `mask[:, e]` in a name `boolean` holds: the function binds it only to
+    booleans), or an expert's column of a token-major table compared with a constant (`gates[:, e] > 0`).
+    Loops that select rows by anything else (cluster bounds, padding masks) are not expert loops and are
+    left alone."""
     values: dict[str, list[ast.AST]] = {}
     for stmt in ast.walk(loop):
         if isinstance(stmt, ast.Assign):
@@ -1800,7 +1802,7 @@ def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> boo
     # `for mask, expert in zip(masks, self.experts)`: each zipped element is the expert's row, `masks[e]`
     masks: set[str] = set(zipped)  # names holding one expert's mask, a lookup `mask[e]` included
     compared: set[str] = {name for name, source in zipped.items() if source in boolean}  # comparison, `.bool()`
-    if call_name(loop.iter) != "range":
+    if call_name(loop.iter) != "range" and not _enumerates_modules(loop):
         boolean = frozenset()  # `mask[i]` over `enumerate(batch)` picks a sequence's tokens, not an expert's
     while True:  # names whose value depends on the loop variable, and names holding such masks
         grown_varying = varying | {k for k, vs in values.items() if any(_mentions(v, varying) for v in vs)}
@@ -1836,6 +1838,18 @@ def _zipped_with_modules(loop: ast.For) -> dict[str, str]:
         return {}
     return {target.id: source.id for target, source in pairs
             if isinstance(target, ast.Name) and isinstance(source, ast.Name)}
+
+
+def _enumerates_modules(loop: ast.For) -> bool:
+    """`for i, expert in enumerate(self.experts)` (`.values()` of it, or a slice, included): `i` numbers
+    the layer's experts, so a lookup `mask[:, i]` in a boolean table is one expert's tokens, as in a
+    `range` loop."""
+    if call_name(loop.iter) != "enumerate" or len(loop.iter.args) != 1 or loop.iter.keywords:
+        return False
+    container = loop.iter.args[0]
+    if call_name(container) == "values" and isinstance(container.func, ast.Attribute) and not container.args:
+        container = container.func.value
+    return _is_self_attribute(container)
 
 
 def _is_self_attribute(expr: ast.AST) -> bool:
@@ -1905,7 +1919,7 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: 
     if isinstance(expr, ast.Compare):
         return all(isinstance(op, ast.Eq) for op in expr.ops) and _mentions(
             ast.Tuple([expr.left, *expr.comparators]), varying
-        )
+        ) or _thresholds_an_entry(expr, varying)
     if call_name(expr) == "eq":
         return _mentions(ast.Tuple(list(expr.args)), varying)
     if isinstance(expr, ast.Subscript):
@@ -1917,6 +1931,33 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: 
         # `(ids == e).any(dim=-1)`, boolean whatever it reduces: the tokens that chose the expert in any slot
         return _is_expert_mask(expr.func.value, varying, masks, True, boolean)
     return False
+
+
+def _thresholds_an_entry(test: ast.Compare, varying: set[str]) -> bool:
+    """`table[:, e] > 0` (any one comparison with a constant): the tokens whose entry for expert e in a
+    token-major table (`[:, e]`, `[..., e]`: every token, one expert's column) passes a fixed threshold,
+    one expert's tokens (a dense routing table's non-zero weights). A bound that changes with the index
+    (`t >= offsets[e]`) picks a span, and a row `scores[b] > 0` a sequence's tokens: neither is one."""
+    if len(test.comparators) != 1:
+        return False
+    sides = (test.left, test.comparators[0])
+    entry = next((side for side in sides if isinstance(strip_methods(side, _MASK_VIEWS), ast.Subscript)), None)
+    other = sides[1] if entry is sides[0] else sides[0]
+    if entry is None or not _is_constant(other):
+        return False
+    entry = strip_methods(entry, _MASK_VIEWS)
+    index = entry.slice.elts if isinstance(entry.slice, ast.Tuple) else [entry.slice]
+    every_token = all(isinstance(i, ast.Slice) and i.lower is i.upper is i.step is None
+                      or isinstance(i, ast.Constant) and i.value is Ellipsis for i in index[:-1])
+    return (len(index) > 1 and every_token and _mentions(index[-1], varying)
+            and not _mentions(entry.value, varying))
+
+
+def _is_constant(expr: ast.AST) -> bool:
+    """A number written in the source (`0`, `-1`, `0.5`)."""
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub | ast.UAdd):
+        expr = expr.operand
+    return isinstance(expr, ast.Constant) and isinstance(expr.value, int | float) and not isinstance(expr.value, bool)
 
 
 _DTYPE_CASTS = {"bool", "long", "int", "float", "half", "double", "byte", "bfloat16"}
@@ -2634,14 +2675,17 @@ def may_hold_expert_loop(fn: types.FunctionType) -> bool:
     """A cheap filter: `fn` names an op that selects tokens or reads counts, or its bytecode loops over
     comparisons and indexing, and its source then shows a loop selecting tokens (read under decorators)."""
     fn = _undecorated(fn)
-    return bool(_SIGNS & _names(fn.__code__)) or (_masks_in_a_loop(fn.__code__) and _selects_in_a_loop(fn))
+    names = _names(fn.__code__)
+    return bool(_SIGNS & names) or (_masks_in_a_loop(fn.__code__, "bool" in names) and _selects_in_a_loop(fn))
 
 
-def _masks_in_a_loop(code: types.CodeType) -> bool:
-    """The bytecode loops, compares and indexes: where a boolean-mask gather (`x[ids == e]`) can be,
-    with no name to show it (3.14 indexes with BINARY_OP). Read with `dis` only when it may."""
+def _masks_in_a_loop(code: types.CodeType, casts_to_bool: bool = False) -> bool:
+    """The bytecode loops, compares (or casts to bool: `table.bool()`, then `x[table[:, e]]`) and indexes:
+    where a boolean-mask gather (`x[ids == e]`) can be, with no name to show it (3.14 indexes with
+    BINARY_OP). Read with `dis` only when it may."""
     ops = set(code.co_code[::2])
-    if not all(ops & wanted for wanted in _LOOP_MASK_OPS):
+    loops, compares, indexes = (bool(ops & wanted) for wanted in _LOOP_MASK_OPS)
+    if not (loops and (compares or casts_to_bool) and indexes):
         return False
     return any(i.opname in ("BINARY_SUBSCR", "STORE_SUBSCR") or i.argrepr == "[]" for i in dis.get_instructions(code))
 

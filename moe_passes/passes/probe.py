@@ -199,6 +199,11 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
             raise NotProbeable(
                 f"{node.name} compares a position or offset with a threshold (a capacity, which probes rarely reach)"
             )
+        if _thresholds_a_value(node):
+            raise NotProbeable(
+                f"{node.name} compares a floating-point value with a threshold other than 0 (a routing weight "
+                "cut at a threshold drops the routes below it, which the probes' weights never reach)"
+            )
         if from_sort:
             sorted_.add(node)
         if from_sum:
@@ -208,6 +213,47 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
             kwargs["device"] = "cpu"
         env[node] = node.target(*concrete_args(node.args, env), **kwargs)
     return env
+
+
+_COMPARISONS = frozenset(
+    {
+        aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor, aten.gt.Scalar, aten.gt.Tensor,
+        aten.ge.Scalar, aten.ge.Tensor, aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor,
+    }
+)
+
+
+def _thresholds_a_value(node: Node) -> bool:
+    """A comparison of a floating-point tensor with anything but the number 0 (`gates[:, e] > 0.3`): the
+    probes' weights are integers from 1 up, so which routes such a cut drops is not tested by them. Zero
+    is exact for them (`gates[:, e] > 0`, `!= 0`: the routed entries, every weight being positive)."""
+    if node.target not in _COMPARISONS or not isinstance(node.args[0], Node):
+        return False
+    left = dtype(node.args[0])
+    if left is None or not left.is_floating_point or _cast_from_integers(node.args[0]):
+        return False
+    other = node.args[1]
+    return isinstance(other, Node) or not (isinstance(other, int | float) and other == 0)
+
+
+# Ops that keep a tensor's values whole numbers when they are (views, picks, sums of them)
+_KEEP_WHOLE = SHAPE_ONLY_OPS | TRANSPOSE_OPS | {
+    aten.select.int, aten.slice.Tensor, aten.index.Tensor, aten.sum.dim_IntList, aten.sum.default,
+}
+
+
+def _cast_from_integers(node: Node) -> bool:
+    """`mask.float()` (through views, picks and sums): whole numbers, an integer or boolean tensor's,
+    compared as such (`one_hot(ids).float()[e] == 1`), not a weight."""
+    while isinstance(node, Node) and node.op == "call_function":
+        if is_cast(node) and isinstance(node.args[0], Node):
+            source = dtype(node.args[0])
+            if source is not None and not source.is_floating_point:
+                return True
+        elif node.target not in _KEEP_WHOLE:
+            return False
+        node = node.args[0]
+    return False
 
 
 # Reads at positions: exact index functions, evaluated inside a term's slice but not looked through to
