@@ -47,7 +47,7 @@ OUTCOMES = {
     "gpt_fast_mixtral_moe": "fused",
     "gpt_oss_torch_reference": "fused",
     "grok1_moe": "declined",
-    "hf_nllb_moe": "not captured",
+    "hf_nllb_moe": "no candidate",
     "hf_switch_transformers": "not captured",
     "hidream_i1_moe": "fused",
     "hunyuan_a13b_moe": "declined",

@@ -91,6 +91,56 @@ class DenseMaskedTable(Routed):
         return out
 
 
+class TopKRouted(Routed):
+    """Softmax top-2, renormalised: the routing the next spellings read."""
+
+    def route(self, x):
+        weights, ids = self.router(x).softmax(-1).topk(2, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), ids
+
+
+class BoolTableByScatter(TopKRouted):
+    """A boolean table made with `dtype=torch.bool` and scattered into; its column picks the tokens."""
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        routed = torch.zeros(x.size(0), E, dtype=torch.bool, device=x.device).scatter_(1, ids, True)
+        gates = torch.zeros(x.size(0), E, dtype=x.dtype, device=x.device).scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chose = routed[:, e]
+            out[chose] += expert(x[chose]) * gates[chose, e : e + 1]
+        return out
+
+
+class WeightAboveZero(TopKRouted):
+    """The expert's weight per token, summed over the slots of its mask; its tokens where it is positive."""
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            weight = ((ids == e) * weights).sum(-1)
+            rows = weight > 0
+            out[rows] += self.experts[e](x[rows]) * weight[rows, None]
+        return out
+
+
+class AddedAsAStore(TopKRouted):
+    """`out[m] = out[m] + y` after `if not m.any(): continue`, weights read through the slot mask."""
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            slots = ids == e
+            chose = slots.any(-1)
+            if not chose.any():
+                continue
+            out[chose] = out[chose] + weights[slots][:, None] * expert(x[chose])
+        return out
+
+
 def _compile(model_class, *args, tokens: int = 13):
     torch.manual_seed(0)
     model = model_class(*args).eval()
@@ -107,6 +157,14 @@ def test_mask_selected_experts_with_table_weights_are_fused(model_class):
     assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
     assert len(report.fused) == 1 and not report.declined, str(report)
     assert report.fused[0].top_k == (1 if model_class is SwitchTop1 else 2), str(report)
+
+
+@pytest.mark.parametrize("tokens", [13, 1], ids=["prefill", "decode"])
+@pytest.mark.parametrize("model_class", [BoolTableByScatter, WeightAboveZero, AddedAsAStore])
+def test_masks_spelled_by_hand_are_fused(model_class, tokens):
+    report = _compile(model_class, tokens=tokens)
+    assert report.graph_count == 1 and report.graph_break_count == 0, str(report)
+    assert [f.top_k for f in report.fused] == [2] and not report.declined, str(report)
 
 
 def test_switch_top1_is_fused_for_a_single_token():

@@ -247,3 +247,91 @@ def test_a_column_cut_at_a_weight_threshold_is_declined():
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and "threshold other than 0" in report.declined[0].reason
     torch.testing.assert_close(output, expected)
+
+
+class SignOfRawLogitsMoE(TableColumnLoopMoE):
+    """Top-2 of the raw logits as the routing weights (no softmax): signed; the column read by sign
+    (`> 0`), which drops the routes of negative weight."""
+
+    def gates(self, x):
+        weights, ids = self.router.proj(x).topk(TOP_K, dim=-1)
+        return torch.zeros(x.size(0), len(self.experts), dtype=x.dtype).scatter(1, ids, weights)
+
+    def forward(self, x):
+        gates = self.gates(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = gates[:, i] > 0
+            y[chosen] += gates[chosen, i, None] * expert(x[chosen])
+        return y
+
+
+class NonZeroRawLogitsMoE(SignOfRawLogitsMoE):
+    """The same signed table read by `!= 0`: every routed entry."""
+
+    def forward(self, x):
+        gates = self.gates(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = gates[:, i] != 0
+            y[chosen] += gates[chosen, i, None] * expert(x[chosen])
+        return y
+
+
+@pytest.mark.parametrize("model_class", [SignOfRawLogitsMoE, NonZeroRawLogitsMoE], ids=lambda c: c.__name__)
+def test_a_column_of_signed_weights_is_read_by_sign_only_when_proved_non_negative(model_class):
+    """The probes' weights are all positive, so they cannot show what `> 0` drops: that test is taken only
+    of values proved non-negative (a softmax's, as in the spellings above), `!= 0` of any."""
+    torch.manual_seed(0)
+    model = model_class().eval()
+    inputs = (torch.randn(TOKENS, HIDDEN),)
+    expected = eager_output(model, inputs)
+    report, output, _ = run_hpu_moe(model, inputs)
+    if model_class is SignOfRawLogitsMoE:
+        assert not report.fused and "tests the sign of a value not proved non-negative" in report.declined[0].reason
+    else:
+        assert [f.form for f in report.fused] == ["sparse_loop"], report.declined
+    torch.testing.assert_close(output, expected)
+
+
+class NextColumnWeightMoE(TableColumnLoopMoE):
+    """Expert i's tokens (its column is non-zero) weighted by the next expert's column: not the routing."""
+
+    def forward(self, x):
+        gates = self.table(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = gates[:, i] > 0
+            y[chosen] += gates[chosen, (i + 1) % EXPERTS, None] * expert(x[chosen])
+        return y
+
+
+class TruncatedTableMoE(TableColumnLoopMoE):
+    """The table cast to integers after scaling: `(gates * 4).long()` is 0 below a weight of 0.25."""
+
+    def forward(self, x):
+        gates = self.table(x)
+        quarters = (gates * 4).long()
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = quarters[:, i] > 0
+            y[chosen] += gates[chosen, i, None] * expert(x[chosen])
+        return y
+
+
+@pytest.mark.parametrize(("model_class", "named"), [
+    (NextColumnWeightMoE, "not the routing weight of one expert"),
+    (TruncatedTableMoE, "cast to integers"),
+], ids=lambda v: v.__name__ if isinstance(v, type) else "")
+@pytest.mark.parametrize("tokens", [TOKENS, 1])
+def test_a_column_mask_the_probes_cannot_tell_from_the_routing_is_declined(model_class, named, tokens):
+    """Probed with dense tables only, a column's mask selects every token and the next column's weight
+    looked like a routing weight; probed with whole-number weights, a truncation never cut. Both were
+    fused and wrong; routed probe tables and the cast check decline them."""
+    torch.manual_seed(0)
+    model = model_class().eval()
+    inputs = (torch.randn(tokens, HIDDEN) * 8,)
+    expected = eager_output(model, inputs)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and named in report.declined[0].reason, report.declined
+    torch.testing.assert_close(output, expected)

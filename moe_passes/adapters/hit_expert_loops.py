@@ -1128,6 +1128,10 @@ def _check_body(
                                    "inside an expression, which may act for an expert no token chose")
             if moves_itself(stmt):
                 continue  # `out = out.to(device)`: the same values under the same name, for any expert
+            if (added := _added_as_a_store(stmt)) is not None:
+                accumulations.append(added)
+                at_mask(added)
+                continue
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 names = [n for t in targets for n in stored_names(t)]
@@ -1290,7 +1294,8 @@ def _check_added_rows(loop: ast.For, accumulation, callees: Callees) -> None:
     if added is None:
         return
     definitions = [(node.lineno, name, node.value) for node in ast.walk(loop) if isinstance(node, ast.Assign)
-                   for target in node.targets for name in stored_names(target)]
+                   for target in node.targets if not isinstance(target, ast.Subscript)  # `A[I] = A[I] + v`
+                   for name in stored_names(target)]
     sources, pending, seen = [], [(added, accumulation.lineno)], set()
     while pending:
         value, line = pending.pop()
@@ -1396,6 +1401,20 @@ def _cut_rows(stmt: ast.stmt, rows: dict[str, int]) -> str | None:
     if (isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in rows
             and isinstance(value.slice, ast.Slice) and value.slice.step is None):
         return stmt.targets[0].id
+    return None
+
+
+def _added_as_a_store(stmt: ast.stmt) -> ast.AugAssign | None:
+    """`A[I] = A[I] + v` (or `v + A[I]`) read as the accumulation it is, `A[I] += v`: the same values
+    stored at the same entries (and nothing stored where I selects nothing)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)
+            and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Add)):
+        return None
+    target, value = stmt.targets[0], stmt.value
+    written = ast.unparse(target)
+    for same, other in ((value.left, value.right), (value.right, value.left)):
+        if isinstance(same, ast.Subscript) and ast.unparse(same) == written:
+            return ast.copy_location(ast.AugAssign(target=target, op=ast.Add(), value=other), stmt)
     return None
 
 
@@ -1802,28 +1821,65 @@ def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> boo
     # `for mask, expert in zip(masks, self.experts)`: each zipped element is the expert's row, `masks[e]`
     masks: set[str] = set(zipped)  # names holding one expert's mask, a lookup `mask[e]` included
     compared: set[str] = {name for name, source in zipped.items() if source in boolean}  # comparison, `.bool()`
+    weighted: set[str] = set()  # values zero off one expert's entries: `((ids == e) * w).sum(-1)`
     if call_name(loop.iter) != "range" and not _enumerates_modules(loop):
         boolean = frozenset()  # `mask[i]` over `enumerate(batch)` picks a sequence's tokens, not an expert's
     while True:  # names whose value depends on the loop variable, and names holding such masks
         grown_varying = varying | {k for k, vs in values.items() if any(_mentions(v, varying) for v in vs)}
         grown_masks = masks | {k for k, vs in values.items() if any(_is_expert_mask(v, grown_varying, masks) for v in vs)}
+        grown_weighted = weighted | {k for k, vs in values.items()
+                                     if any(_zero_off_the_expert(v, grown_varying, weighted) for v in vs)}
         grown_compared = compared | {
             k for k, vs in values.items()
-            if any(_is_expert_mask(v, grown_varying, compared, lookups=False, boolean=boolean) for v in vs)
+            if any(_is_expert_mask(v, grown_varying, compared, lookups=False, boolean=boolean)
+                   or _compares_a_masked_value(v, grown_varying, grown_weighted) for v in vs)
         }
-        if (grown_varying, grown_masks, grown_compared) == (varying, masks, compared):
+        if (grown_varying, grown_masks, grown_compared, grown_weighted) == (varying, masks, compared, weighted):
             break
-        varying, masks, compared = grown_varying, grown_masks, grown_compared
+        varying, masks, compared, weighted = grown_varying, grown_masks, grown_compared, grown_weighted
     for inner in ast.walk(loop):
         operand = _selection_operand(inner)
         if operand is None:
             continue
+        if _compares_a_masked_value(operand, varying, weighted):
+            return True
         if isinstance(inner, ast.Subscript):
             # `x[M]` selects by a mask only where M is boolean: `table[key[e]]` is a lookup, not a selection
             if _is_expert_mask(operand, varying, compared, lookups=False, boolean=boolean):
                 return True
         elif _is_expert_mask(operand, varying, masks):
             return True
+    return False
+
+
+def _compares_a_masked_value(expr: ast.AST, varying: set[str], weighted: set[str]) -> bool:
+    """`w_e > 0` for a value zero off one expert's entries (`w_e = ((ids == e) * w).sum(-1)`): the
+    tokens of that expert with a weight that passes a fixed threshold."""
+    expr = strip_methods(expr, _MASK_VIEWS)
+    if not (isinstance(expr, ast.Compare) and len(expr.comparators) == 1):
+        return False
+    sides = (expr.left, expr.comparators[0])
+    if _is_constant(sides[1]):
+        return _zero_off_the_expert(sides[0], varying, weighted)
+    return _is_constant(sides[0]) and _zero_off_the_expert(sides[1], varying, weighted)
+
+
+def _zero_off_the_expert(expr: ast.AST, varying: set[str], weighted: set[str]) -> bool:
+    """An equality with the expert index (`ids == e`), a product with one, or a sum of such a product
+    (`((ids == e) * w).sum(-1)`), or a name holding one: zero wherever the token did not choose the
+    expert. A lookup `scores[b]` is not one (a row of anything)."""
+    expr = strip_methods(expr, _MASK_VIEWS)
+    if isinstance(expr, ast.Name):
+        return expr.id in weighted
+    if isinstance(expr, ast.Compare):
+        return all(isinstance(op, ast.Eq) for op in expr.ops) and _mentions(
+            ast.Tuple([expr.left, *expr.comparators]), varying)
+    if call_name(expr) == "eq":
+        return _mentions(ast.Tuple(list(expr.args)), varying)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult):
+        return any(_zero_off_the_expert(side, varying, weighted) for side in (expr.left, expr.right))
+    if call_name(expr) == "sum" and isinstance(expr.func, ast.Attribute) and (expr.args or expr.keywords):
+        return _zero_off_the_expert(expr.func.value, varying, weighted)
     return False
 
 
@@ -2012,7 +2068,19 @@ def _is_boolean(expr: ast.AST, boolean: set[str]) -> bool:
         return _is_boolean(expr.operand, boolean)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
         return _is_boolean(expr.left, boolean) and _is_boolean(expr.right, boolean)
+    if call_name(expr) in _FACTORIES and any(k.arg == "dtype" and isinstance(k.value, ast.Attribute)
+                                             and k.value.attr == "bool" for k in expr.keywords):
+        return True  # `torch.zeros(T, E, dtype=torch.bool)`
+    if call_name(expr) in _WRITES_KEEP_DTYPE and isinstance(expr.func, ast.Attribute):
+        return _is_boolean(expr.func.value, boolean)  # `<bool tensor>.scatter_(1, ids, True)`: still bool
     return call_name(expr) in _BOOLEAN_CALLS
+
+
+_FACTORIES = {"zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
+              "new_ones", "new_full", "new_empty", "tensor", "as_tensor"}
+# Methods that write values into a tensor (or a copy of it) of the receiver's dtype
+_WRITES_KEEP_DTYPE = {"scatter", "scatter_", "index_fill", "index_fill_", "masked_fill", "masked_fill_", "fill_",
+                      "index_put", "index_put_", "clone", "contiguous"}
 
 
 def _is_full_slice(expr: ast.AST) -> bool:

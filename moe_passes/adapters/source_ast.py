@@ -67,7 +67,7 @@ def stored_names(target: ast.AST) -> list[str]:
         return [n for element in target.elts for n in stored_names(element)]
     if isinstance(target, ast.Starred):
         return stored_names(target.value)
-    raise NotAdaptable(f"line {target.lineno}: assignment to {ast.dump(target)[:40]} (only names allowed)")
+    raise NotAdaptable(f"line {target.lineno}: assignment to `{ast.unparse(target)[:40]}` (only names allowed)")
 
 
 def bindings(fn_def: ast.FunctionDef) -> dict[str, list[ast.AST]]:

@@ -607,7 +607,12 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
         return NoMatch(EMPTY_BATCH)
     if not isinstance(weights, Node) or shape(ids) != shape(weights):
         return NoMatch("routing ids and weights differ in shape")
-    columns = probe.column_probes(tokens, width, dtype(padded))
+    # Dense tables tell every column apart; tables of top-k routings (zero off the chosen experts) show
+    # what a mask read from the table selects (`gates[:, e] > 0`), which a dense table selects everywhere
+    top_k = int(probe.concrete(shape(ids)[-1])) if len(shape(ids) or ()) == 2 else 1
+    routed = [probe.padded_columns(i, w, width) for i, w in
+              probe.routing_probes(tokens, min(top_k, width), width, dtype(padded))]
+    columns = probe.column_probes(tokens, width, dtype(padded)) + routed
     envs = [[probe.evaluate(nodes, {padded: table}) for table in columns] for nodes in slices]
     order = _assign(columns, envs, tokens, width, terms)
     return order if isinstance(order, NoMatch) else (strip_shape_ops(ids), strip_shape_ops(weights), *order, False)

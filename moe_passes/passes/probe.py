@@ -199,11 +199,8 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
             raise NotProbeable(
                 f"{node.name} compares a position or offset with a threshold (a capacity, which probes rarely reach)"
             )
-        if _thresholds_a_value(node):
-            raise NotProbeable(
-                f"{node.name} compares a floating-point value with a threshold other than 0 (a routing weight "
-                "cut at a threshold drops the routes below it, which the probes' weights never reach)"
-            )
+        if (untested := _untested_comparison(node)) is not None:
+            raise NotProbeable(f"{node.name} {untested}")
         if from_sort:
             sorted_.add(node)
         if from_sum:
@@ -223,17 +220,104 @@ _COMPARISONS = frozenset(
 )
 
 
-def _thresholds_a_value(node: Node) -> bool:
-    """A comparison of a floating-point tensor with anything but the number 0 (`gates[:, e] > 0.3`): the
-    probes' weights are integers from 1 up, so which routes such a cut drops is not tested by them. Zero
-    is exact for them (`gates[:, e] > 0`, `!= 0`: the routed entries, every weight being positive)."""
+def _untested_comparison(node: Node) -> str | None:
+    """A comparison of a floating-point tensor that the probes cannot test: the probes' weights are whole
+    numbers from 1 up, so a cut at another threshold (`gates[:, e] > 0.3`) never bites on them, and an
+    order test with 0 (`gates[:, e] > 0`) drops the routes of negative weight that real routing may give
+    (raw logits as weights) unless the value is proved non-negative (a softmax's). `!= 0` / `== 0` pick the
+    non-zero entries whatever their sign. Says what the comparison does, or None where probes test it."""
     if node.target not in _COMPARISONS or not isinstance(node.args[0], Node):
-        return False
+        return None
+    if _truncates_floats(node.args[0]):
+        return ("compares a floating-point value cast to integers (`(w * 4).long() > 0` cuts the weights "
+                "below 0.25, which the probes' whole-number weights never reach)")
     left = dtype(node.args[0])
     if left is None or not left.is_floating_point or _cast_from_integers(node.args[0]):
-        return False
+        return None
     other = node.args[1]
-    return isinstance(other, Node) or not (isinstance(other, int | float) and other == 0)
+    if isinstance(other, Node) or not (isinstance(other, int | float) and other == 0):
+        return ("compares a floating-point value with a threshold other than 0 (a routing weight cut at a "
+                "threshold drops the routes below it, which the probes' weights never reach)")
+    if node.target in (aten.eq.Scalar, aten.ne.Scalar) or non_negative(node.args[0]):
+        return None
+    return ("tests the sign of a value not proved non-negative (routes of negative weight would be dropped, "
+            "and the probes' weights are all positive)")
+
+
+# Ops whose result is >= 0 whatever their input (a softmax, a sigmoid, ...), and ops whose result is >= 0
+# where every tensor input (and number) is: picks, views, sums, products, scatters of such values.
+_NON_NEGATIVE_OUTPUTS = frozenset({
+    aten._softmax.default, aten.softmax.int, aten.sigmoid.default, aten.exp.default, aten.abs.default,
+    aten.relu.default, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.ones.default,
+    aten.ones_like.default, aten.one_hot.default,
+})
+_KEEP_NON_NEGATIVE = SHAPE_ONLY_OPS | TRANSPOSE_OPS | {
+    aten.select.int, aten.slice.Tensor, aten.index.Tensor, aten.gather.default, aten.index_select.default,
+    aten.sum.dim_IntList, aten.sum.default, aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.cat.default,
+    aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.index_put.default,
+    aten.index_add.default, aten.masked_fill.Scalar, aten.where.self, aten.topk.default, aten.sort.default,
+    aten.max.dim, aten.amax.default, aten.full.default, aten.full_like.default, aten.clamp.default,
+    aten.clamp_min.default, aten.scalar_tensor.default, aten.lift_fresh_copy.default, operator.getitem,
+}
+
+
+def non_negative(node: Node, depth: int = 0) -> bool:
+    """`node`'s values are proved >= 0 from the ops that made them (a softmax's top-k weights divided by
+    their sum and scattered into zeros); False where that is not shown."""
+    if depth > 64 or not isinstance(node, Node) or node.op != "call_function":
+        return False
+    if dtype(node) == torch.bool or node.target in _NON_NEGATIVE_OUTPUTS or is_cast(node) and _cast_from_integers(node):
+        return True
+    if node.target not in _KEEP_NON_NEGATIVE and not is_cast(node):
+        return False
+    if node.target is operator.getitem:  # a topk's / sort's / max's values (index 0), not its indices
+        return node.args[1] == 0 and non_negative(node.args[0], depth + 1)
+    if node.target in (aten.clamp.default, aten.clamp_min.default):
+        low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+        if isinstance(low, int | float) and low >= 0:
+            return True
+    if node.target is aten.where.self:  # the condition picks, the two values are what must be >= 0
+        return all(non_negative(a, depth + 1) for a in node.args[1:3])
+    numbers = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, int | float) and not isinstance(a, bool)]
+    if node.target in (aten.full.default, aten.full_like.default, aten.masked_fill.Scalar, aten.scalar_tensor.default,
+                       aten.scatter.value, aten.clamp.default, aten.clamp_min.default) or node.target is aten.mul.Tensor:
+        if any(n < 0 for n in numbers):
+            return False
+    elif any(n < 0 for n in numbers) and node.target in (aten.add.Tensor, aten.div.Tensor):
+        return False
+    index_args = _INDEX_ARGUMENTS.get(node.target, ())
+    tensors = [a for i, a in enumerate(node.args) if i not in index_args
+               for a in (a if isinstance(a, list | tuple) else [a]) if isinstance(a, Node)]
+    if not tensors:  # a tensor of a number, checked >= 0 above
+        return node.target in (aten.full.default, aten.scalar_tensor.default)
+    return all(non_negative(a, depth + 1) for a in tensors)
+
+
+# Arguments that only say where (ids, positions), whose sign does not reach the values
+_INDEX_ARGUMENTS = {
+    aten.index.Tensor: (1,), aten.gather.default: (2,), aten.index_select.default: (2,), aten.scatter.src: (2,),
+    aten.scatter.value: (2,), aten.scatter_add.default: (2,), aten.index_put.default: (1,),
+    aten.index_add.default: (2,), aten.masked_fill.Scalar: (1,),
+}
+
+
+def _truncates_floats(node: Node, depth: int = 0) -> bool:
+    """A cast from a floating-point dtype to an integer one among the ops that made `node`, up to where
+    ids are chosen (a top-k's, sort's or argmax's indices, which are no weights)."""
+    if depth > 32 or not isinstance(node, Node) or node.op != "call_function":
+        return False
+    if is_call(node, *_CHOOSES_IDS) or is_getitem(node) and node.args[1] == 1 and is_call(node.args[0], *_CHOOSES_IDS):
+        return False
+    if is_cast(node) and isinstance(node.args[0], Node):
+        source, target = dtype(node.args[0]), dtype(node)
+        if (source is not None and source.is_floating_point and target is not None
+                and not target.is_floating_point and target != torch.bool):
+            return True
+    return any(_truncates_floats(a, depth + 1) for a in node.all_input_nodes)
+
+
+_CHOOSES_IDS = (aten.topk.default, aten.sort.default, aten.sort.stable, aten.max.dim, aten.argmax.default,
+                aten.argsort.default, aten.argsort.stable)
 
 
 # Ops that keep a tensor's values whole numbers when they are (views, picks, sums of them)
