@@ -8,6 +8,7 @@ how the capture code generalises. Each block: 4 SiLU-gated experts of hidden siz
 tokens, inner backend eager, default dynamo settings.
 
     python tools/spelling_sweep.py            # markdown table on stdout
+    python tools/spelling_sweep.py --tables   # the second sweep (2026-11-29): routing tables read per expert
 """
 
 from __future__ import annotations
@@ -342,6 +343,164 @@ BLOCKS = [
 ]
 
 
+# The second sweep (2026-11-29): dense [T, E] routing tables read per expert, and what the probes must not
+# take for a routing weight. Each forward is written as a hand-written block would; the last four must
+# never be fused (each computes something else than the kernel), and are written in spellings the
+# adapter captured before this sweep, so that a wrong fusion shows.
+
+
+class TableBase(Base):
+    def table(self, x):
+        w, ids = self.route(x)
+        return torch.zeros(x.size(0), E, dtype=x.dtype).scatter(1, ids, w)
+
+
+class ColumnAboveZero(TableBase):
+    def forward(self, x):
+        gates = self.table(x)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = gates[:, i] > 0
+            out[chosen] += gates[chosen, i, None] * expert(x[chosen])
+        return out
+
+
+class BoolTableColumn(TableBase):
+    def forward(self, x):
+        gates = self.table(x)
+        routed = gates.bool()
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = routed[:, i]
+            out[chosen] = out[chosen] + gates[chosen, i].unsqueeze(-1) * expert(x[chosen])
+        return out
+
+
+class ColumnWhereSkip(TableBase):
+    def forward(self, x):
+        gates = self.table(x)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows, = torch.where(gates[:, i] > 0)
+            if rows.numel() == 0:
+                continue
+            out.index_add_(0, rows, gates[rows, i, None] * expert(x[rows]))
+        return out
+
+
+class BoolScatterTable(TableBase):
+    def forward(self, x):
+        w, ids = self.route(x)
+        routed = torch.zeros(x.size(0), E, dtype=torch.bool).scatter_(1, ids, True)
+        gates = torch.zeros(x.size(0), E, dtype=x.dtype).scatter_(1, ids, w)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            sel = routed[:, i]
+            out[sel] += expert(x[sel]) * gates[sel, i : i + 1]
+        return out
+
+
+class SummedWeightAboveZero(TableBase):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            weight = ((ids == e) * w).sum(-1)
+            rows = weight > 0
+            out[rows] += self.experts[e](x[rows]) * weight[rows, None]
+        return out
+
+
+class AnySkipStoreAdd(TableBase):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            hit = ids == e
+            tok = hit.any(-1)
+            if not tok.any():
+                continue
+            out[tok] = out[tok] + w[hit][:, None] * expert(x[tok])
+        return out
+
+
+class ZippedHostCounts(TableBase):
+    def forward(self, x):
+        w, ids = self.route(x)
+        out = torch.zeros_like(x)
+        counts = torch.bincount(ids.flatten(), minlength=E).tolist()
+        for e, (expert, n) in enumerate(zip(self.experts, counts)):  # noqa: B905 - as hand-written
+            if n == 0:
+                continue
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out
+
+
+class ListOfRowOutputs(TableBase):
+    def forward(self, x):
+        w, ids = self.route(x)
+        outs = []
+        for e, expert in enumerate(self.experts):
+            hit = ids == e
+            tok = hit.any(-1).nonzero().flatten()
+            outs.append((tok, expert(x[tok]) * (w * hit).sum(-1)[tok, None]))
+        out = torch.zeros_like(x)
+        for tok, y in outs:
+            out.index_add_(0, tok, y)
+        return out
+
+
+class SignedTableAboveZero(TableBase):
+    def forward(self, x):
+        w, ids = self.gate(x).topk(K, dim=-1)  # raw logits as the weights: signed
+        routed = torch.zeros(x.size(0), E, dtype=x.dtype).scatter(1, ids, w)
+        chosen_table = routed > 0
+        out = torch.zeros_like(x)
+        for e in range(E):
+            chosen = chosen_table[:, e]
+            out[chosen] += routed[chosen, e, None] * self.experts[e](x[chosen])
+        return out
+
+
+class NextColumnWeight(TableBase):
+    def forward(self, x):
+        gates = self.table(x)
+        chosen_table = gates > 0
+        out = torch.zeros_like(x)
+        for e in range(E):
+            chosen = chosen_table[:, e]
+            out[chosen] += gates[chosen, (e + 1) % E, None] * self.experts[e](x[chosen])
+        return out
+
+
+class TableCutAtThreshold(TableBase):
+    def forward(self, x):
+        gates = self.table(x)
+        kept = gates > 0.3
+        out = torch.zeros_like(x)
+        for e in range(E):
+            chosen = kept[:, e]
+            out[chosen] += gates[chosen, e, None] * self.experts[e](x[chosen])
+        return out
+
+
+class TruncatedTable(TableBase):
+    def forward(self, x):
+        gates = self.table(x)
+        kept = (gates * 4).long() > 0
+        out = torch.zeros_like(x)
+        for e in range(E):
+            chosen = kept[:, e]
+            out[chosen] += gates[chosen, e, None] * self.experts[e](x[chosen])
+        return out
+
+
+TABLE_BLOCKS = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, TableBase)
+                and c is not TableBase]
+BLOCKS = [c for c in BLOCKS if not issubclass(c, TableBase)]
+
+
 def measure(cls) -> dict:
     from moe_passes.explain import explain_and_run
 
@@ -385,7 +544,7 @@ def measure(cls) -> dict:
 
 def main() -> int:
     warnings.simplefilter("ignore")
-    rows = [measure(cls) for cls in BLOCKS]
+    rows = [measure(cls) for cls in (TABLE_BLOCKS if "--tables" in sys.argv[1:] else BLOCKS)]
     print("| block | outcome | form or reason | graphs, breaks |")
     print("|---|---|---|---|")
     for r in rows:
