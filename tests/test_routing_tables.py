@@ -167,6 +167,22 @@ class ColumnWhereSkipEmptyMoE(TableColumnLoopMoE):
         return y
 
 
+class ColumnTestByFlagMoE(TableColumnLoopMoE):
+    """The column's test picked by a configuration flag in a conditional expression."""
+
+    def __init__(self, strict: bool = True):
+        super().__init__()
+        self.strict = strict
+
+    def forward(self, x):
+        gates = self.table(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            chosen = gates[:, i] > 0 if self.strict else gates[:, i] != 0
+            y[chosen] += gates[chosen, i, None] * expert(x[chosen])
+        return y
+
+
 def _grouped_mm_runs_here() -> bool:
     try:
         offs = torch.tensor([2], dtype=torch.int32)
@@ -184,6 +200,8 @@ CASES = {
     "column_threshold": (ColumnThresholdMoE, torch.float32, "sparse_loop"),
     "column_of_bool_table": (BoolTableColumnMoE, torch.float32, "sparse_loop"),
     "column_where_skip_empty": (ColumnWhereSkipEmptyMoE, torch.float32, "sparse_loop"),
+    "column_test_by_flag": (ColumnTestByFlagMoE, torch.float32, "sparse_loop"),
+    "column_test_by_flag_off": (lambda: ColumnTestByFlagMoE(strict=False), torch.float32, "sparse_loop"),
 }
 
 

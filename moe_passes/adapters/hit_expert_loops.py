@@ -1983,6 +1983,8 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: 
         return (lookups or held) and _mentions(expr.slice, varying)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
         return any(_is_expert_mask(side, varying, masks, lookups, boolean) for side in (expr.left, expr.right))
+    if isinstance(expr, ast.IfExp):  # `a > 0 if self.signed else a != 0`: a mask whichever arm runs
+        return all(_is_expert_mask(arm, varying, masks, lookups, boolean) for arm in (expr.body, expr.orelse))
     if call_name(expr) == "any" and isinstance(expr.func, ast.Attribute) and (expr.args or expr.keywords):
         # `(ids == e).any(dim=-1)`, boolean whatever it reduces: the tokens that chose the expert in any slot
         return _is_expert_mask(expr.func.value, varying, masks, True, boolean)
