@@ -353,3 +353,22 @@ def test_a_column_mask_the_probes_cannot_tell_from_the_routing_is_declined(model
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and named in report.declined[0].reason, report.declined
     torch.testing.assert_close(output, expected)
+
+
+def test_non_negative_is_proved_from_the_ops_that_made_a_value():
+    """What lets a test of the sign through the probes: a softmax's top-k weights scattered (at any dim, of
+    any positive number) are >= 0; raw top-k logits, a negative scale, a subtraction are not shown to be."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe_passes.passes.probe import non_negative
+
+    def values(x):
+        weights, ids = x.softmax(-1).topk(TOP_K, -1)
+        table = torch.zeros(x.shape[0], EXPERTS).scatter(-1, ids, weights)
+        return (table, torch.zeros(x.shape[0], EXPERTS).scatter(-1, ids, 1.0), table + 0.5,
+                torch.zeros(x.shape[0], EXPERTS).scatter(-1, ids, -1.0), x.topk(TOP_K, -1).values, table * -1,
+                table - 0.1)
+
+    graph = make_fx(values)(torch.randn(3, EXPERTS)).graph
+    outputs = next(iter(graph.find_nodes(op="output"))).args[0]
+    assert [non_negative(node) for node in outputs] == [True, True, True, False, False, False, False]

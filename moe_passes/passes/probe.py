@@ -278,7 +278,8 @@ def non_negative(node: Node, depth: int = 0) -> bool:
             return True
     if node.target is aten.where.self:  # the condition picks, the two values are what must be >= 0
         return all(non_negative(a, depth + 1) for a in node.args[1:3])
-    numbers = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, int | float) and not isinstance(a, bool)]
+    given = [a for i, a in enumerate(node.args) if not (node.target is aten.scatter.value and i == 1)]  # not its dim
+    numbers = [a for a in (*given, *node.kwargs.values()) if isinstance(a, int | float) and not isinstance(a, bool)]
     if node.target in (aten.full.default, aten.full_like.default, aten.masked_fill.Scalar, aten.scalar_tensor.default,
                        aten.scatter.value, aten.clamp.default, aten.clamp_min.default) or node.target is aten.mul.Tensor:
         if any(n < 0 for n in numbers):
