@@ -1855,13 +1855,8 @@ def _selects_tokens(loop: ast.For, boolean: frozenset[str] = frozenset()) -> boo
 def _compares_a_masked_value(expr: ast.AST, varying: set[str], weighted: set[str]) -> bool:
     """`w_e > 0` for a value zero off one expert's entries (`w_e = ((ids == e) * w).sum(-1)`): the
     tokens of that expert with a weight that passes a fixed threshold."""
-    expr = strip_methods(expr, _MASK_VIEWS)
-    if not (isinstance(expr, ast.Compare) and len(expr.comparators) == 1):
-        return False
-    sides = (expr.left, expr.comparators[0])
-    if _is_constant(sides[1]):
-        return _zero_off_the_expert(sides[0], varying, weighted)
-    return _is_constant(sides[0]) and _zero_off_the_expert(sides[1], varying, weighted)
+    compared = _compared_with_a_number(strip_methods(expr, _MASK_VIEWS))
+    return compared is not None and _zero_off_the_expert(compared, varying, weighted)
 
 
 def _zero_off_the_expert(expr: ast.AST, varying: set[str], weighted: set[str]) -> bool:
@@ -1871,11 +1866,8 @@ def _zero_off_the_expert(expr: ast.AST, varying: set[str], weighted: set[str]) -
     expr = strip_methods(expr, _MASK_VIEWS)
     if isinstance(expr, ast.Name):
         return expr.id in weighted
-    if isinstance(expr, ast.Compare):
-        return all(isinstance(op, ast.Eq) for op in expr.ops) and _mentions(
-            ast.Tuple([expr.left, *expr.comparators]), varying)
-    if call_name(expr) == "eq":
-        return _mentions(ast.Tuple(list(expr.args)), varying)
+    if _equals_the_index(expr, varying):
+        return True
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult):
         return any(_zero_off_the_expert(side, varying, weighted) for side in (expr.left, expr.right))
     if call_name(expr) == "sum" and isinstance(expr.func, ast.Attribute) and (expr.args or expr.keywords):
@@ -1972,12 +1964,10 @@ def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: 
     expr = strip_methods(expr, _MASK_VIEWS)
     if isinstance(expr, ast.Name):
         return expr.id in masks
+    if _equals_the_index(expr, varying):
+        return True
     if isinstance(expr, ast.Compare):
-        return all(isinstance(op, ast.Eq) for op in expr.ops) and _mentions(
-            ast.Tuple([expr.left, *expr.comparators]), varying
-        ) or _thresholds_an_entry(expr, varying)
-    if call_name(expr) == "eq":
-        return _mentions(ast.Tuple(list(expr.args)), varying)
+        return _thresholds_an_entry(expr, varying)
     if isinstance(expr, ast.Subscript):
         held = isinstance(expr.value, ast.Name) and expr.value.id in boolean
         return (lookups or held) and _mentions(expr.slice, varying)
@@ -1996,19 +1986,31 @@ def _thresholds_an_entry(test: ast.Compare, varying: set[str]) -> bool:
     token-major table (`[:, e]`, `[..., e]`: every token, one expert's column) passes a fixed threshold,
     one expert's tokens (a dense routing table's non-zero weights). A bound that changes with the index
     (`t >= offsets[e]`) picks a span, and a row `scores[b] > 0` a sequence's tokens: neither is one."""
-    if len(test.comparators) != 1:
+    entry = _compared_with_a_number(test)
+    entry = strip_methods(entry, _MASK_VIEWS) if entry is not None else None
+    if not isinstance(entry, ast.Subscript):
         return False
-    sides = (test.left, test.comparators[0])
-    entry = next((side for side in sides if isinstance(strip_methods(side, _MASK_VIEWS), ast.Subscript)), None)
-    other = sides[1] if entry is sides[0] else sides[0]
-    if entry is None or not _is_constant(other):
-        return False
-    entry = strip_methods(entry, _MASK_VIEWS)
     index = entry.slice.elts if isinstance(entry.slice, ast.Tuple) else [entry.slice]
     every_token = all(isinstance(i, ast.Slice) and i.lower is i.upper is i.step is None
                       or isinstance(i, ast.Constant) and i.value is Ellipsis for i in index[:-1])
     return (len(index) > 1 and every_token and _mentions(index[-1], varying)
             and not _mentions(entry.value, varying))
+
+
+def _equals_the_index(expr: ast.AST, varying: set[str]) -> bool:
+    """`ids == e` / `torch.eq(ids, e)`: an equality with a value that changes with the expert index."""
+    if isinstance(expr, ast.Compare):
+        return all(isinstance(op, ast.Eq) for op in expr.ops) and _mentions(
+            ast.Tuple([expr.left, *expr.comparators]), varying)
+    return call_name(expr) == "eq" and _mentions(ast.Tuple(list(expr.args)), varying)
+
+
+def _compared_with_a_number(test: ast.AST) -> ast.expr | None:
+    """X of `X <op> c` or `c <op> X`, one comparison with a number c written in the source."""
+    if not (isinstance(test, ast.Compare) and len(test.comparators) == 1):
+        return None
+    left, right = test.left, test.comparators[0]
+    return left if _is_constant(right) else right if _is_constant(left) else None
 
 
 def _is_constant(expr: ast.AST) -> bool:

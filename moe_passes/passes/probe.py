@@ -280,11 +280,7 @@ def non_negative(node: Node, depth: int = 0) -> bool:
         return all(non_negative(a, depth + 1) for a in node.args[1:3])
     given = [a for i, a in enumerate(node.args) if not (node.target is aten.scatter.value and i == 1)]  # not its dim
     numbers = [a for a in (*given, *node.kwargs.values()) if isinstance(a, int | float) and not isinstance(a, bool)]
-    if node.target in (aten.full.default, aten.full_like.default, aten.masked_fill.Scalar, aten.scalar_tensor.default,
-                       aten.scatter.value, aten.clamp.default, aten.clamp_min.default) or node.target is aten.mul.Tensor:
-        if any(n < 0 for n in numbers):
-            return False
-    elif any(n < 0 for n in numbers) and node.target in (aten.add.Tensor, aten.div.Tensor):
+    if node.target in _VALUED_BY_NUMBERS and any(n < 0 for n in numbers):
         return False
     index_args = _INDEX_ARGUMENTS.get(node.target, ())
     tensors = [a for i, a in enumerate(node.args) if i not in index_args
@@ -293,6 +289,13 @@ def non_negative(node: Node, depth: int = 0) -> bool:
         return node.target in (aten.full.default, aten.scalar_tensor.default)
     return all(non_negative(a, depth + 1) for a in tensors)
 
+
+# Ops whose numbers (a fill value, a bound, a scale, an addend) become or scale the values
+_VALUED_BY_NUMBERS = frozenset({
+    aten.full.default, aten.full_like.default, aten.masked_fill.Scalar, aten.scalar_tensor.default,
+    aten.scatter.value, aten.clamp.default, aten.clamp_min.default, aten.mul.Tensor, aten.add.Tensor,
+    aten.div.Tensor,
+})
 
 # Arguments that only say where (ids, positions), whose sign does not reach the values
 _INDEX_ARGUMENTS = {
