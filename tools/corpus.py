@@ -6,7 +6,8 @@ and compared with the eager model. It is also compiled with `backend="eager"`, t
 never fall below. Outcomes:
 
     fused           the entry's MoE layer became one fused call, output equal to eager
-    declined        a candidate was found and left as written; the reason names what stopped it
+    declined        a candidate was found and left as written, or a router whose experts (in the same graph)
+                    no form reads; the reason names what stopped it
     not captured    dynamo split or skipped the layer before the passes saw it; the first break names the
                     construct and where it is
     no candidate    one graph, nothing recognised as an MoE layer
@@ -40,6 +41,7 @@ def measure(name: str) -> dict:
 
     from form_catalog.corpus import entries
     from moe_passes.explain import explain_and_run
+    from moe_passes.passes.pipeline import UNREAD_FORM
 
     module = entries()[name]
     row = {"entry": name, "source": str(module.SOURCE)}
@@ -72,16 +74,22 @@ def measure(name: str) -> dict:
     if report.fused:
         row["outcome"] = "fused" if error <= TOLERANCE else "WRONG"
         row["detail"] = "; ".join(f"{f.form} -> {f.overload.split('.')[-1]}" for f in report.fused)
-    elif report.declined:
+    elif report.declined and not (_broken(report) and all(d.form == UNREAD_FORM for d in report.declined)):
         row["outcome"] = "declined"
         row["detail"] = report.declined[0].reason
-    elif report.graph_break_count or report.graph_count != 1:
+    elif _broken(report):
         row["outcome"] = "not captured"
         row["detail"] = _first_break(report)
     else:
         row["outcome"] = "no candidate"
         row["detail"] = "; ".join(report.fallbacks) or "one graph, no MoE layer recognised in it"
     return row
+
+
+def _broken(report) -> bool:
+    """Dynamo split the frame: a router named as unread (passes/unread_routing.py) may then have its
+    experts in another graph, and the break, not the router, is what stopped the layer."""
+    return bool(report.graph_break_count or report.graph_count != 1)
 
 
 def _first_break(report) -> str:

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, strip_casts
+from ..fx_utils import backward_slice, const_int, dtype, escaping_users, shape, source_line, strip_casts
 from . import routing
 from .expert_ids import ExpertIds, UnboundedIds, check_unbounded_ids, read_expert_ids, vanishing_choices
 from .finder import Finder, discover
 from .matches import Decline, ExpertsMatch, RoutingInfo
 from .rewrite import rewrite_experts
+from .unread_routing import UnreadRouting, unread_routings
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,46 @@ def find_layers(graph: torch.fx.Graph, forms: tuple[str, ...] | None = None, str
                 log.debug("finder %s raised at %s", finder.name, candidate.anchor, exc_info=True)
                 results.append(Decline(finder.name, f"internal error in {what}", candidate.anchor))
     _decide([r for r in results if r is not None], found, strict)
+    if forms is None:  # with forms left out, the others' layers would look unread
+        try:
+            found.rejected.extend(_unread(graph, found))
+        except Exception as error:  # noqa: BLE001 - naming unread routers must never cost a fusion
+            found.internal_errors.append(f"unread routing: {type(error).__name__}: {error}")
+            log.debug("naming unread routers raised", exc_info=True)
     return found
+
+
+UNREAD_FORM = "routing"
+
+
+def _unread(graph: torch.fx.Graph, found: Found) -> list[Rejected]:
+    """Routers no finder read (unread_routing says which), unless a layer around or inside one was read."""
+    read = {a.match.output for a in found.accepted} | {a.match.ids for a in found.accepted}
+    read |= {r.stopped_at for r in found.rejected if r.stopped_at is not None}
+    layers = [a.layer for a in found.accepted] + [r.layer for r in found.rejected]
+    rejected = []
+    for unread in unread_routings(graph, read):
+        layer = layer_name(unread.choice)
+        if any(_nested(layer, other) for other in layers):
+            continue
+        layers.append(layer)  # one entry per layer (NLLB's router chooses twice)
+        rejected.append(Rejected(layer, UNREAD_FORM, _unread_reason(unread), unread.reader))
+    return rejected
+
+
+def _nested(a: str, b: str) -> bool:
+    """One module path is the other or inside it ("m.layers.0.mlp" and "m.layers.0.mlp.gate")."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _unread_reason(unread: UnreadRouting) -> str:
+    chose = "top-" + str(unread.top_k) if unread.choice.target is torch.ops.aten.topk.default else "argmax"
+    where = source_line(unread.choice)
+    return (
+        f"a router chooses experts ({chose} of {unread.experts}{', at ' + where if where else ''}), but no expert "
+        f"form reads what is done with its choices: {unread.read_as()} (where matching stopped), and the experts' "
+        "computation after it is not a form the passes follow (docs/forms.md lists those); the layer runs as written"
+    )
 
 
 def _decide(results: list[ExpertsMatch | Decline], found: Found, strict: bool) -> None:

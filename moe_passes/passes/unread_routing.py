@@ -1,0 +1,237 @@
+"""Router choices that no expert form read: named, so that a layer no finder recognises is not silent.
+
+A graph can hold an MoE router (a gate projection, then top-k or argmax over the experts) whose experts
+run in a way no finder reads: a loop per batch row, a mask over a dense layer's neurons, an [E, T, H]
+buffer of masked copies. Without this the report says only "no MoE layer"; with it, it says where the
+router is and which op reads its choices, which is the construct that stopped the fusion. Nothing is
+rewritten, and a router whose choices reach a layer a finder read (fused or declined) is not named twice.
+
+Only choices read as expert choices count (compared with an expert number, one-hot encoded, used as an
+index into a table with one row per expert, counted, sorted or scattered into an [.., E] table), so a
+top-k of a model's logits for sampling (whose ids are gathered as tokens) is not taken for a router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..fx_utils import (
+    SHAPE_ONLY_OPS,
+    TRANSPOSE_OPS,
+    ancestors,
+    const_int,
+    is_call,
+    is_cast,
+    is_getitem,
+    shape,
+)
+
+aten = torch.ops.aten
+
+# What a gate's scores pass through between the projection and the choice (normalisation, a bias added
+# for the choice only, a temperature, a mask, a copy in another dtype).
+_SCORE_OPS = frozenset(
+    {
+        aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+        aten.sigmoid.default, aten.tanh.default, aten.relu.default, aten.exp.default,
+        aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Scalar,
+        aten.masked_fill.Tensor, aten.where.self, aten.abs.default, aten.neg.default,
+    }
+)
+_PROJECTIONS = frozenset(
+    {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+     aten.linear.default}
+    | ({aten._grouped_mm.default} if hasattr(aten, "_grouped_mm") else set())
+)
+# Ops that only move the choices around (the same ids, fewer or re-laid out).
+_MOVES = SHAPE_ONLY_OPS | TRANSPOSE_OPS | frozenset(
+    {aten.select.int, aten.slice.Tensor, aten.flatten.using_ints, aten.movedim.int, aten.lift_fresh_copy.default}
+)
+_COMPARISONS = frozenset({aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor})
+_COUNTS = frozenset({aten.bincount.default, aten.histc.default, aten.sort.default, aten.argsort.default,
+                     aten.sort.stable, aten.argsort.stable, aten._unique2.default, aten.unique_dim.default})
+_SCATTERS = frozenset({aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_.src,
+                       aten.scatter_.value, aten.scatter_add_.default, aten.scatter.value_reduce})
+
+
+@dataclass(frozen=True)
+class UnreadRouting:
+    """A router whose choices no finder read: the op that chose, how many of how many, and the first op
+    that reads the choices as expert numbers (the construct the finders do not follow)."""
+
+    choice: Node  # the topk / argmax node
+    experts: int
+    top_k: int
+    reader: Node
+    per_row: bool  # the choices reach the reader one row of a leading dim at a time (a loop over the batch)
+
+    def read_as(self) -> str:
+        """How the reader uses the choices, in words."""
+        how = self._read_as()
+        return how + (", made per batch row (a loop over the batch)" if self.per_row else "")
+
+    def _read_as(self) -> str:
+        if is_call(self.reader, aten.one_hot.default) or _one_hot(self.reader, None, self.experts):
+            return "one_hot"
+        if is_call(self.reader, *_COMPARISONS):
+            return "a comparison with an expert number"
+        if is_call(self.reader, *_COUNTS):
+            return f"{self.reader.target.__name__.split('.')[0]} of the choices"
+        if is_call(self.reader, *_SCATTERS):
+            return "a scatter into a table with a column per expert"
+        return f"{self.reader.target.__name__.split('.')[0]} of a table with a row per expert"
+
+
+def unread_routings(graph: torch.fx.Graph, read: set[Node]) -> list[UnreadRouting]:
+    """The graph's routers whose choices reach none of `read` (the outputs and stopping points of the
+    regions the finders matched or declined)."""
+    found = []
+    for choice, ids, experts, top_k in _choices(graph):
+        scored = set(ancestors(choice))
+        path = _expert_reader(ids, experts, choice.target is aten.topk.default, scored)
+        if path is None or _reaches(ids, read) or not _steers_a_projection(path[-1]):
+            continue
+        found.append(UnreadRouting(choice, experts, top_k, path[-1], _per_row(path)))
+    return found
+
+
+def _choices(graph: torch.fx.Graph):
+    """(choice op, ids node, experts, k) for each top-k / argmax over the last dim of a gate's scores."""
+    for node in graph.find_nodes(op="call_function", target=aten.topk.default):
+        dims = shape(node.args[0])
+        k = const_int(node.args[1])
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        experts = const_int(dims[-1]) if dims else None
+        if experts is None or k is None or not 0 < k < experts or dim not in (-1, len(dims) - 1) or len(dims) < 2:
+            continue  # a choice per token ([.., T, E] scores), not a pick among the items of one vector
+        ids = next((u for u in node.users if is_getitem(u, 1)), None)
+        if ids is not None and _scores_of_a_gate(node.args[0]):
+            yield node, ids, experts, k
+    for node in graph.find_nodes(op="call_function", target=aten.argmax.default):
+        dims = shape(node.args[0])
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        experts = const_int(dims[-1]) if dims else None
+        if experts is not None and experts > 1 and dim in (-1, len(dims) - 1) and len(dims) > 1 and (
+                _scores_of_a_gate(node.args[0])):
+            yield node, node, experts, 1
+
+
+def _scores_of_a_gate(scores: Node, depth: int = 8) -> bool:
+    """`scores` come from a projection by a weight, through score-shaping ops only (at most `depth` of
+    them). The weight is an operand no matrix product made: a parameter, maybe normalised (a cosine
+    router); attention scores `q @ k.T`, whose both sides are projected, are not a gate's."""
+    node = scores
+    for _ in range(depth):
+        if is_call(node, *_PROJECTIONS):
+            return any(_made_without_products(operand) for operand in node.args if isinstance(operand, Node))
+        if not (is_call(node, *_SCORE_OPS, *_MOVES) or is_cast(node)) or not isinstance(node.args[0], Node):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _made_without_products(operand: Node, limit: int = 32) -> bool:
+    """No matrix product is among the (at most `limit`) nodes `operand` is made from."""
+    made_from = ancestors(operand, limit=limit)
+    return len(made_from) < limit and not any(is_call(n, *_PROJECTIONS) for n in made_from)
+
+
+def _expert_reader(ids: Node, experts: int, from_topk: bool, scored: set[Node], depth: int = 6) -> list[Node] | None:
+    """The path from `ids`, through moves of them only, to the first op that reads them as expert
+    numbers (the last node); None if there is none. `scored`: what the router's scores were made from
+    (a table of those is the tokens', not one row per expert)."""
+    frontier, came_from = [ids], {ids: None}
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user in came_from:
+                    continue
+                came_from[user] = node
+                if _reads_as_expert(user, node, experts, from_topk, scored):
+                    path = [user]
+                    while came_from[path[-1]] is not None:
+                        path.append(came_from[path[-1]])
+                    return path[::-1]
+                if is_call(user, *_MOVES) or is_cast(user):
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def _reads_as_expert(user: Node, ids: Node, experts: int, from_topk: bool, scored: set[Node]) -> bool:
+    """`user` reads `ids` as expert numbers. An argmax's ids compared or counted could be a greedy
+    token choice (`next_token == eos`), so only a top-k's count as read by those."""
+    if is_call(user, aten.one_hot.default) or _one_hot(user, ids, experts):
+        return True
+    if is_call(user, *_COMPARISONS, *_COUNTS):
+        return from_topk or user.target in (aten.bincount.default, aten.histc.default)
+    if is_call(user, *_SCATTERS):  # ids as the index of an [.., E] table
+        dims = shape(user.args[0])
+        return len(user.args) > 2 and user.args[2] is ids and bool(dims) and const_int(dims[-1]) == experts
+    if is_call(user, aten.embedding.default):  # embedding(table, ids)
+        return _rows_of_experts(user.args[0], experts, scored) and user.args[1] is ids
+    if is_call(user, aten.index_select.default):  # index_select(table, 0, ids)
+        return _rows_of_experts(user.args[0], experts, scored) and user.args[1] == 0 and user.args[2] is ids
+    if is_call(user, aten.index.Tensor):  # table[ids] (ids index the first dim)
+        indices = user.args[1]
+        return _rows_of_experts(user.args[0], experts, scored) and bool(indices) and indices[0] is ids
+    return False
+
+
+def _rows_of_experts(table: object, experts: int, scored: set[Node]) -> bool:
+    """A table with one row per expert (its first dim is E) that the router did not score (the tokens'
+    hidden states, whose rows a top-k over positions picks, are not one)."""
+    rows = shape(table) if isinstance(table, Node) else None
+    if not rows or const_int(rows[0]) != experts:
+        return False
+    while (is_call(table, *_MOVES) or is_cast(table)) and isinstance(table.args[0], Node):
+        table = table.args[0]
+    return table not in scored
+
+
+def _per_row(path: list[Node]) -> bool:
+    """A `select` of one index along a dim before the last sits on the way from the ids to the reader."""
+    return any(
+        is_call(node, aten.select.int) and node.args[1] not in (-1, len(shape(node.args[0]) or ()) - 1)
+        for node in path
+    )
+
+
+def _one_hot(user: Node, ids: Node | None, experts: int) -> bool:
+    """`ids[..., None] == arange(E)`: one_hot as dynamo's decomposition writes it."""
+    if not is_call(user, aten.eq.Tensor):
+        return False
+    return any(
+        is_call(other, aten.arange.default, aten.arange.start) and const_int(shape(other)[0]) == experts
+        for other in user.args[:2] if other is not ids
+    )
+
+
+def _steers_a_projection(reader: Node) -> bool:
+    """A matrix product in this graph depends on what `reader` made of the choices: the experts run here.
+    (Where a graph break follows the router, the experts run in a later graph, and the break is the
+    reason to report, not the router.)"""
+    return _any_depends_on(reader, lambda node: is_call(node, *_PROJECTIONS))
+
+
+def _reaches(ids: Node, targets: set[Node]) -> bool:
+    """Whether anything in `targets` is `ids` or depends on it."""
+    return bool(targets) and _any_depends_on(ids, targets.__contains__)
+
+
+def _any_depends_on(start: Node, predicate) -> bool:
+    """Whether `predicate` holds for `start` or a node that depends on it."""
+    frontier, seen = [start], {start}
+    while frontier:
+        node = frontier.pop()
+        if predicate(node):
+            return True
+        for user in node.users:
+            if user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return False

@@ -1,0 +1,188 @@
+"""A router whose experts no form reads is named in the report (passes/unread_routing.py), with what its
+choices feed; top-k and argmax that are not routers (sampling, greedy decoding) are not, and a layer a
+finder read is not named twice."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.loop_models import SeparateGatedExpert
+
+H, E, K = 8, 4, 2
+
+
+class PerRowLoopMoE(torch.nn.Module):
+    """Routing per batch row, as a projector between a vision tower and a language model might write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(SeparateGatedExpert() for _ in range(E))
+
+    def forward(self, x):  # [B, N, H]
+        probs = self.router(x).softmax(-1)
+        weights, chosen = probs.topk(K)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for b in range(x.shape[0]):
+            for e, expert in enumerate(self.experts):
+                rows, slot = torch.where(chosen[b] == e)
+                out[b][rows] += weights[b][rows, slot, None] * expert(x[b][rows])
+        return out
+
+
+class NeuronClusterMask(torch.nn.Module):
+    """A dense MLP whose hidden neurons are masked by clusters a top-k picks (MoEfication-like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(H, 4 * H)
+        self.down = torch.nn.Linear(4 * H, H)
+        self.scorer = torch.nn.Linear(H, E, bias=False)
+        self.register_buffer("clusters", (torch.arange(4 * H)[None] % E == torch.arange(E)[:, None]).float())
+
+    def forward(self, x):
+        picked = self.scorer(x).topk(K, dim=-1).indices
+        keep = F.embedding(picked, self.clusters).sum(-2) > 0
+        return self.down(F.relu(self.up(x)) * keep)
+
+
+class SamplingHead(torch.nn.Module):
+    """Top-k over a vocabulary's logits, then a token picked among the k: the ids are tokens, not experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(H, 50, bias=False)
+        self.embed = torch.nn.Embedding(50, H)
+
+    def forward(self, x):
+        values, ids = self.head(x).topk(5)
+        token = ids.gather(-1, values.softmax(-1).argmax(-1, keepdim=True))
+        return self.embed(token.squeeze(-1)) + x
+
+
+class GreedyHead(torch.nn.Module):
+    """Greedy decoding that stops at an end token: argmax of logits compared with a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(H, 50, bias=False)
+
+    def forward(self, x):
+        token = self.head(x).argmax(-1)
+        return x * (token == 3).unsqueeze(-1)
+
+
+class TopkAttention(torch.nn.Module):
+    """Sparse attention keeping each query's top-k keys: scores are `q @ k.T`, both sides projected."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(H, H, bias=False) for _ in range(3))
+
+    def forward(self, x):  # [N, H], N keys
+        keys, values = self.k(x), self.v(x)
+        picked = (self.q(x) @ keys.T).topk(K, dim=-1).indices  # [N, K]
+        return (keys[picked] * values[picked]).sum(1) @ self.v.weight
+
+
+class TokenChoiceByLayer(torch.nn.Module):
+    """Mixture-of-depths: a scorer picks the top-k tokens of a sequence to run an MLP on; the ids are
+    positions, gathered as rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.scorer = torch.nn.Linear(H, 1, bias=False)
+        self.mlp = SeparateGatedExpert()
+
+    def forward(self, x):  # [S, H]
+        picked = self.scorer(x).squeeze(-1).topk(K).indices
+        return x.index_add(0, picked, self.mlp(x.index_select(0, picked)))
+
+
+class SoftmaxTopkLoop(torch.nn.Module):
+    """A loop the finders read and fuse."""
+
+    def __init__(self, experts=SeparateGatedExpert):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(experts() for _ in range(E))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out
+
+
+class _Ungated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(H, 2 * H), torch.nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def _routing_declines(report):
+    return [d for d in report.declined if d.form == "routing"]
+
+
+def _run(model, *inputs):
+    torch.manual_seed(0)
+    model = model.eval()
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+    return report
+
+
+def test_a_router_read_per_batch_row_is_named_with_the_comparison_that_reads_it():
+    report = _run(PerRowLoopMoE(), torch.randn(2, 5, H))
+    assert not report.fused, str(report)
+    (declined,) = _routing_declines(report)
+    assert "top-2 of 4" in declined.reason and "per batch row" in declined.reason, declined
+    assert "a comparison with an expert number" in declined.reason, declined
+    assert "test_unread_routing.py" in declined.stopped_at and "eq" in declined.stopped_at, declined
+
+
+def test_a_neuron_mask_picked_by_a_top_k_is_named_with_its_table_lookup():
+    report = _run(NeuronClusterMask(), torch.randn(5, H))
+    (declined,) = _routing_declines(report)
+    assert "embedding of a table with a row per expert" in declined.reason, declined
+    assert "embedding" in declined.stopped_at
+
+
+def test_sampling_greedy_decoding_sparse_attention_and_token_picks_are_not_taken_for_routers():
+    for model in (SamplingHead(), GreedyHead(), TopkAttention(), TokenChoiceByLayer()):
+        report = _run(model, torch.randn(5, H))
+        assert not report.declined and not report.fused, str(report)
+
+
+def test_a_fused_layer_and_a_layer_a_finder_declined_are_not_named_again():
+    fused = _run(SoftmaxTopkLoop(), torch.randn(5, H))
+    assert len(fused.fused) == 1 and not fused.declined, str(fused)
+    declined = _run(SoftmaxTopkLoop(_Ungated), torch.randn(5, H))
+    assert not declined.fused and declined.declined and not _routing_declines(declined), str(declined)
+
+
+def test_forms_left_out_by_the_options_do_not_make_their_layers_look_unread():
+    torch.manual_seed(0)
+    model, inputs = SoftmaxTopkLoop().eval(), (torch.randn(5, H),)
+    report, _, _ = run_hpu_moe(model, inputs, forms=["grouped_mm"])
+    assert not report.fused and not _routing_declines(report), str(report)
+
+
+def test_an_error_while_naming_routers_costs_no_fusion(monkeypatch):
+    from moe_passes.passes import pipeline
+
+    def broken(*_):
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(pipeline, "unread_routings", broken)
+    report = _run(SoftmaxTopkLoop(), torch.randn(5, H))
+    assert len(report.fused) == 1, str(report)
