@@ -102,6 +102,60 @@ class TokenChoiceByLayer(torch.nn.Module):
         return x.index_add(0, picked, self.mlp(x.index_select(0, picked)))
 
 
+class SparseCode(torch.nn.Module):
+    """A top-k sparse autoencoder: the kept activations, scattered into the code, are data for the decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode = torch.nn.Linear(H, 32), torch.nn.Linear(32, H)
+
+    def forward(self, x):
+        pre = self.encode(x)
+        kept, at = pre.topk(4)
+        return self.decode(torch.zeros_like(pre).scatter(-1, at, F.relu(kept)))
+
+
+class CodebookLookup(torch.nn.Module):
+    """Vector quantisation: the nearest code's one-hot times the codebook."""
+
+    def __init__(self):
+        super().__init__()
+        self.codes = torch.nn.Parameter(torch.randn(16, H))
+
+    def forward(self, x):
+        nearest = (x @ self.codes.T).argmax(-1)
+        return F.one_hot(nearest, 16).to(x.dtype) @ self.codes
+
+
+class BeamEnd(torch.nn.Module):
+    """A beam step that stops beams at an end token: the top-k tokens compared with one number."""
+
+    def __init__(self):
+        super().__init__()
+        self.head, self.cell = torch.nn.Linear(H, 50, bias=False), torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        tokens = self.head(x).log_softmax(-1).topk(3).indices
+        done = (tokens == 2).any(-1, keepdim=True)
+        return self.cell(x.masked_fill(done, 0.0))
+
+
+class ExpertsChooseTokens(torch.nn.Module):
+    """Expert-choice routing: scores transposed to [E, T], each expert picks tokens (not k of E experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(SeparateGatedExpert() for _ in range(E))
+
+    def forward(self, x):  # [T, H], T > E
+        weights, rows = self.gate(x).softmax(-1).T.topk(2)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            out = out.index_add(0, rows[e], self.experts[e](x[rows[e]]) * weights[e, :, None])
+        return out
+
+
 class SoftmaxTopkLoop(torch.nn.Module):
     """A loop the finders read and fuse."""
 
@@ -158,9 +212,10 @@ def test_a_neuron_mask_picked_by_a_top_k_is_named_with_its_table_lookup():
 
 
 def test_sampling_greedy_decoding_sparse_attention_and_token_picks_are_not_taken_for_routers():
-    for model in (SamplingHead(), GreedyHead(), TopkAttention(), TokenChoiceByLayer()):
+    for model in (SamplingHead(), GreedyHead(), TopkAttention(), TokenChoiceByLayer(), SparseCode(),
+                  CodebookLookup(), BeamEnd(), ExpertsChooseTokens()):
         report = _run(model, torch.randn(5, H))
-        assert not report.declined and not report.fused, str(report)
+        assert not _routing_declines(report) and not report.fused, str(report)
 
 
 def test_a_fused_layer_and_a_layer_a_finder_declined_are_not_named_again():
@@ -168,6 +223,51 @@ def test_a_fused_layer_and_a_layer_a_finder_declined_are_not_named_again():
     assert len(fused.fused) == 1 and not fused.declined, str(fused)
     declined = _run(SoftmaxTopkLoop(_Ungated), torch.randn(5, H))
     assert not declined.fused and declined.declined and not _routing_declines(declined), str(declined)
+
+
+class _RouterThenExperts(torch.nn.Module):
+    """Experts a dense mask loop with mixed activations (declined by its finder), a projection after the
+    layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(SeparateGatedExpert() for _ in range(E))
+        self.experts[0].forward = lambda x, m=self.experts[0]: m.w2(F.gelu(m.w1(x)) * m.w3(x))
+        self.head = torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        weights, ids = self.router(x).softmax(-1).topk(K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            out = out + self.experts[e](x) * (weights * (ids == e)).sum(-1, keepdim=True)
+        return self.head(out)
+
+
+class _BrokenAfterOneExpert(SoftmaxTopkLoop):
+    """Expert 0 in the router's graph, a print, experts 1 to 3 in the next graph: the break is the reason."""
+
+    def run(self, e, x, weights, ids, out):
+        token, slot = torch.where(ids == e)
+        out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K)
+        out = torch.zeros_like(x)
+        self.run(0, x, weights, ids, out)
+        print("one expert done")
+        self.run(1, x, weights, ids, out)
+        self.run(2, x, weights, ids, out)
+        self.run(3, x, weights, ids, out)
+        return out
+
+
+def test_a_layer_its_finder_declined_and_a_router_before_a_graph_break_are_not_named(capsys):
+    declined = _run(_RouterThenExperts(), torch.randn(5, H))
+    assert declined.declined and not _routing_declines(declined), str(declined)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        broken = _run(_BrokenAfterOneExpert(), torch.randn(5, H))
+    assert broken.graph_break_count and not _routing_declines(broken), str(broken)
 
 
 def test_forms_left_out_by_the_options_do_not_make_their_layers_look_unread():

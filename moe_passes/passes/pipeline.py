@@ -319,10 +319,12 @@ def find_layers(graph: torch.fx.Graph, forms: tuple[str, ...] | None = None, str
                 found.internal_errors.append(what)
                 log.debug("finder %s raised at %s", finder.name, candidate.anchor, exc_info=True)
                 results.append(Decline(finder.name, f"internal error in {what}", candidate.anchor))
-    _decide([r for r in results if r is not None], found, strict)
+    results = [r for r in results if r is not None]
+    _decide(results, found, strict)
     if forms is None:  # with forms left out, the others' layers would look unread
         try:
-            found.rejected.extend(_unread(graph, found))
+            declined_at = {r.anchor for r in results if isinstance(r, Decline) and r.anchor is not None}
+            found.rejected.extend(_unread(graph, found, declined_at))
         except Exception as error:  # noqa: BLE001 - naming unread routers must never cost a fusion
             found.internal_errors.append(f"unread routing: {type(error).__name__}: {error}")
             log.debug("naming unread routers raised", exc_info=True)
@@ -332,9 +334,10 @@ def find_layers(graph: torch.fx.Graph, forms: tuple[str, ...] | None = None, str
 UNREAD_FORM = "routing"
 
 
-def _unread(graph: torch.fx.Graph, found: Found) -> list[Rejected]:
-    """Routers no finder read (unread_routing says which), unless a layer around or inside one was read."""
-    read = {a.match.output for a in found.accepted} | {a.match.ids for a in found.accepted}
+def _unread(graph: torch.fx.Graph, found: Found, declined_at: set[Node]) -> list[Rejected]:
+    """Routers no finder read (unread_routing says which), unless a layer around or inside one was read:
+    fused, or declined (`declined_at`: the outputs of the regions the finders declined)."""
+    read = {a.match.output for a in found.accepted} | {a.match.ids for a in found.accepted} | declined_at
     read |= {r.stopped_at for r in found.rejected if r.stopped_at is not None}
     layers = [a.layer for a in found.accepted] + [r.layer for r in found.rejected]
     rejected = []

@@ -23,6 +23,7 @@ from ..fx_utils import (
     TRANSPOSE_OPS,
     ancestors,
     const_int,
+    dtype,
     is_call,
     is_cast,
     is_getitem,
@@ -88,13 +89,17 @@ class UnreadRouting:
 def unread_routings(graph: torch.fx.Graph, read: set[Node]) -> list[UnreadRouting]:
     """The graph's routers whose choices reach none of `read` (the outputs and stopping points of the
     regions the finders matched or declined)."""
-    found = []
+    found, to_products = [], None
     for choice, ids, experts, top_k in _choices(graph):
+        if _reaches(ids, read) or _leaves_the_graph(ids):
+            continue
         scored = set(ancestors(choice))
         path = _expert_reader(ids, experts, choice.target is aten.topk.default, scored)
-        if path is None or _reaches(ids, read) or not _steers_a_projection(path[-1]):
+        if path is None:
             continue
-        found.append(UnreadRouting(choice, experts, top_k, path[-1], _per_row(path)))
+        to_products = _reaching_products(graph) if to_products is None else to_products
+        if _steers_experts(path[-1], scored, to_products):
+            found.append(UnreadRouting(choice, experts, top_k, path[-1], _per_row(path)))
     return found
 
 
@@ -108,25 +113,29 @@ def _choices(graph: torch.fx.Graph):
         if experts is None or k is None or not 0 < k < experts or dim not in (-1, len(dims) - 1) or len(dims) < 2:
             continue  # a choice per token ([.., T, E] scores), not a pick among the items of one vector
         ids = next((u for u in node.users if is_getitem(u, 1)), None)
-        if ids is not None and _scores_of_a_gate(node.args[0]):
+        if ids is not None and _scores_of_a_gate(node.args[0], experts):
             yield node, ids, experts, k
     for node in graph.find_nodes(op="call_function", target=aten.argmax.default):
         dims = shape(node.args[0])
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         experts = const_int(dims[-1]) if dims else None
         if experts is not None and experts > 1 and dim in (-1, len(dims) - 1) and len(dims) > 1 and (
-                _scores_of_a_gate(node.args[0])):
+                _scores_of_a_gate(node.args[0], experts)):
             yield node, node, experts, 1
 
 
-def _scores_of_a_gate(scores: Node, depth: int = 8) -> bool:
-    """`scores` come from a projection by a weight, through score-shaping ops only (at most `depth` of
-    them). The weight is an operand no matrix product made: a parameter, maybe normalised (a cosine
-    router); attention scores `q @ k.T`, whose both sides are projected, are not a gate's."""
+def _scores_of_a_gate(scores: Node, experts: int, depth: int = 8) -> bool:
+    """`scores` come from a projection to `experts` features by a weight, through score-shaping ops only
+    (at most `depth` of them). The weight is an operand no matrix product made: a parameter, maybe
+    normalised (a cosine router); attention scores `q @ k.T`, whose both sides are projected, are not a
+    gate's, nor are scores transposed to [E, T] (experts choosing tokens) or a one-feature scorer's
+    [B, S] (a pick of tokens)."""
     node = scores
     for _ in range(depth):
         if is_call(node, *_PROJECTIONS):
-            return any(_made_without_products(operand) for operand in node.args if isinstance(operand, Node))
+            width = shape(node)
+            return bool(width) and const_int(width[-1]) == experts and any(
+                _made_without_products(operand) for operand in node.args if isinstance(operand, Node))
         if not (is_call(node, *_SCORE_OPS, *_MOVES) or is_cast(node)) or not isinstance(node.args[0], Node):
             return False
         node = node.args[0]
@@ -167,6 +176,8 @@ def _reads_as_expert(user: Node, ids: Node, experts: int, from_topk: bool, score
     token choice (`next_token == eos`), so only a top-k's count as read by those."""
     if is_call(user, aten.one_hot.default) or _one_hot(user, ids, experts):
         return True
+    if is_call(user, aten.eq.Scalar, aten.ne.Scalar):  # compared with several numbers: a loop over experts
+        return from_topk and len(_numbers_compared_with(_root_of(ids))) > 1
     if is_call(user, *_COMPARISONS, *_COUNTS):
         return from_topk or user.target in (aten.bincount.default, aten.histc.default)
     if is_call(user, *_SCATTERS):  # ids as the index of an [.., E] table
@@ -211,11 +222,94 @@ def _one_hot(user: Node, ids: Node | None, experts: int) -> bool:
     )
 
 
-def _steers_a_projection(reader: Node) -> bool:
-    """A matrix product in this graph depends on what `reader` made of the choices: the experts run here.
-    (Where a graph break follows the router, the experts run in a later graph, and the break is the
-    reason to report, not the router.)"""
-    return _any_depends_on(reader, lambda node: is_call(node, *_PROJECTIONS))
+def _numbers_compared_with(ids: Node) -> set:
+    """The constants `ids`, or moves of them (a batch row's), are compared with for equality."""
+    numbers, frontier, seen = set(), [ids], {ids}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if is_call(user, aten.eq.Scalar, aten.ne.Scalar) and user.args[0] is node:
+                numbers.add(user.args[1])
+            elif user not in seen and (is_call(user, *_MOVES) or is_cast(user)):
+                seen.add(user)
+                frontier.append(user)
+    return numbers
+
+
+def _root_of(node: Node) -> Node:
+    """The ids a move of them was made from (the top-k's getitem, or the argmax)."""
+    while (is_call(node, *_MOVES) or is_cast(node)) and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _leaves_the_graph(ids: Node) -> bool:
+    """The choices, or moves of them, are an output of the graph: its experts may run in a later graph
+    (a graph break after the router), and the break is then the reason to report, not the router."""
+    frontier, seen = [ids], {ids}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "output":
+                return True
+            if user not in seen and (is_call(user, *_MOVES) or is_cast(user) or is_getitem(user)):
+                seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def _reaching_products(graph: torch.fx.Graph) -> set[Node]:
+    """The nodes a matrix product of the graph depends on (the products included)."""
+    found: set[Node] = set()
+    for node in reversed(graph.nodes):
+        if is_call(node, *_PROJECTIONS) or any(user in found for user in node.users):
+            found.add(node)
+    return found
+
+
+_ROW_PICKS = frozenset({aten.index.Tensor, aten.index_select.default, aten.index_put.default,
+                        aten.index_put_.default, aten._unsafe_index_put.default, aten.masked_select.default})
+_MASKINGS = frozenset({aten.mul.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+                       aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default})
+
+
+def _steers_experts(reader: Node, scored: set[Node], to_products: set[Node]) -> bool:
+    """What `reader` made of the choices picks rows of the tokens the router scored, or masks values with
+    a boolean or integer mask, on the way to a matrix product of this graph: the choices decide what an
+    expert computes. Choices turned into float data (a codebook's one-hot, a sparse code, an embedding
+    of chosen tokens) are not expert choices."""
+    derived, frontier = {reader}, [reader]
+    while frontier:
+        node = frontier.pop()
+        if node in to_products and (_picks_scored_rows(node, derived, scored) or _masks_with(node, derived)):
+            return True
+        for user in node.users:
+            if user not in derived:
+                derived.add(user)
+                frontier.append(user)
+    return False
+
+
+def _picks_scored_rows(node: Node, derived: set[Node], scored: set[Node]) -> bool:
+    """`node` indexes a tensor made from what the router scored (the tokens) with indices made from the
+    choices."""
+    if not is_call(node, *_ROW_PICKS) or not isinstance(node.args[0], Node):
+        return False
+    index_args = node.args[1] if is_call(node, aten.index.Tensor, *_MASKINGS) else node.args[1:]
+    indices = [i for i in (index_args if isinstance(index_args, list | tuple) else [index_args]) if isinstance(i, Node)]
+    return any(i in derived for i in indices) and bool(set(ancestors(node.args[0], limit=256)) & scored)
+
+
+def _masks_with(node: Node, derived: set[Node]) -> bool:
+    """`node` masks a value with a boolean or integer tensor made from the choices."""
+    if not is_call(node, *_MASKINGS):
+        return False
+    masks = [a for a in _flat(node.args) if isinstance(a, Node) and a in derived]
+    return any(d is not None and not d.is_floating_point for d in (dtype(m) for m in masks))
+
+
+def _flat(args) -> list:
+    return [x for a in args for x in (a if isinstance(a, list | tuple) else [a])]
 
 
 def _reaches(ids: Node, targets: set[Node]) -> bool:
