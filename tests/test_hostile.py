@@ -20,6 +20,7 @@ import moe_passes
 from form_catalog import catalog, dynamo_config
 from moe_passes.report import collecting
 from tests.helpers import RecordingInner, assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.loop_models import H, SeparateGatedExpert
 
 FORMS = catalog()
 
@@ -328,4 +329,33 @@ def test_values_read_as_numbers_in_the_graph_are_reported_not_warned_about(monke
         report, output, recorder = run_hpu_moe(model, inputs)
     assert not [w for w in caught if "hpu_moe" in str(w.message)]
     assert len(report.fallbacks) == 1 and "`.item()` / `.tolist()`" in report.fallbacks[0], report.fallbacks
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class _CapacityReadThenDenseLoop(nn.Module):
+    """A number read on the host from the counts (a graph break), then a dense mask loop that scales each
+    expert's output by a test of that number: the finder cannot vary it under its probes."""
+
+    def __init__(self, hidden=H, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(SeparateGatedExpert() for _ in range(experts))
+
+    def forward(self, x):
+        weights, ids = self.gate(x).softmax(-1).topk(2)
+        capacity = int(torch.bincount(ids.flatten(), minlength=len(self.experts)).max().item())
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * (weights * (ids == e)).sum(-1, keepdim=True) * (capacity > 0)
+        return out
+
+
+def test_an_expert_scaled_by_a_number_from_before_a_break_is_declined_not_an_internal_error():
+    torch.manual_seed(0)
+    model, inputs = _CapacityReadThenDenseLoop().eval(), (torch.randn(6, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused, str(report)
+    reasons = [d.reason for d in report.declined]
+    assert any("not made from the routing ids and weights" in r for r in reasons), str(report)
+    assert not any("internal error" in r for r in reasons), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))

@@ -478,8 +478,10 @@ def _expert_ids_from(frontier: set[Node], slices: list[list[Node]], terms: list[
         return NoMatch(unprobeable("the per-expert routing weight", why))
 
 
-def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torch.Tensor | None:
+def _token_axis_values(value: torch.Tensor | None, out_shape: tuple, rows: int) -> torch.Tensor | None:
     """The coefficient broadcast against an expert output of `out_shape`, as one value per row."""
+    if value is None:
+        return None
     try:
         full = value.expand(torch.broadcast_shapes(value.shape, out_shape))
     except RuntimeError:
@@ -490,7 +492,12 @@ def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torc
     return flat[:, 0]
 
 
-def _coefficient_value(term: ExpertTerm, env: dict) -> torch.Tensor:
+def _coefficient_value(term: ExpertTerm, env: dict) -> torch.Tensor | None:
+    """The term's per-token coefficient under one probe; None where a factor is not made from the
+    routing (`* (capacity > 0)` of a number read before a graph break: the probe cannot vary it)."""
+    factors = (term.coefficient, *term.more_factors)
+    if any(factor not in env for factor in factors):
+        return None
     value = env[term.coefficient]
     for factor in term.more_factors:
         value = value * env[factor]
@@ -511,7 +518,7 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     if term.slots_per_token is not None:
         k = term.slots_per_token
         table = _coefficient_value(term, env)
-        if rows.dim() != 1 or rows.dtype.is_floating_point or tuple(table.shape) != (tokens, k):
+        if table is None or rows.dim() != 1 or rows.dtype.is_floating_point or tuple(table.shape) != (tokens, k):
             return None
         if bool(((rows < 0) | (rows >= tokens * k)).any()) or rows.unique().numel() != rows.numel():
             return None
@@ -581,6 +588,11 @@ def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, ter
     for index, term in enumerate(terms):
         matches = None
         for columns, env in zip(columns_per_probe, envs_per_term[index], strict=True):
+            unmade = next((f for f in (term.coefficient, *term.more_factors) if f not in env), None)
+            if unmade is not None:
+                return NoMatch("an expert's output is also scaled by a value not made from the routing ids and "
+                               "weights (a number read before a graph break, or a tensor from elsewhere), so its "
+                               "weight per token cannot be checked", unmade)
             per_token = _per_token_weight(term, env, tokens)
             if per_token is None:
                 return NoMatch("an expert's routing weight is not one value per token")
