@@ -286,3 +286,12 @@ def test_an_error_while_naming_routers_costs_no_fusion(monkeypatch):
     monkeypatch.setattr(pipeline, "unread_routings", broken)
     report = _run(SoftmaxTopkLoop(), torch.randn(5, H))
     assert len(report.fused) == 1, str(report)
+
+
+def test_expert_choice_routing_is_declined_as_such():
+    """The sparse-loop finder reads the loop (the rows `rows[e]` written twice are one index) and names
+    what the kernel cannot do: experts choosing their tokens."""
+    report = _run(ExpertsChooseTokens(), torch.randn(5, H))
+    (declined,) = report.declined
+    assert declined.form == "sparse_loop" and "expert-choice routing" in declined.reason, str(report)
+    assert "aten.topk" in declined.stopped_at

@@ -38,6 +38,7 @@ from ..fx_utils import (
     const_int,
     dtype,
     is_call,
+    is_getitem,
     shape,
     strip_casts,
     strip_shape_ops,
@@ -54,6 +55,27 @@ CUT_TO_CAPACITY = (
     "an expert's rows are cut to a capacity (`rows[:C]` of the tokens it selected, makeMoE style): tokens "
     "past it are dropped from that expert, and the fused kernel computes every routed token"
 )
+
+EXPERTS_CHOOSE_TOKENS = (
+    "each expert chooses its tokens (a top-k over the tokens of the expert's scores: expert-choice routing); "
+    "the fused kernel routes each token to the top-k of its own scores"
+)
+
+
+def _chosen_by_the_expert(rows: Node, tokens: int | None) -> Node | None:
+    """The top-k when `rows` are an expert's row of `topk([E, T] scores).indices`: the tokens an expert
+    picked (E != T, so the choice is along the tokens, not along the experts)."""
+    node = strip_shape_ops(strip_casts(rows))
+    while is_call(node, aten.select.int, aten.slice.Tensor):
+        node = strip_shape_ops(node.args[0])
+    if not (is_getitem(node, 1) and is_call(node.args[0], aten.topk.default)):
+        return None
+    scores = shape(node.args[0].args[0])
+    dims = [const_int(d) for d in scores] if scores else []
+    chosen_along = node.args[0].args[2] if len(node.args[0].args) > 2 else -1
+    if len(dims) == 2 and chosen_along in (-1, 1) and tokens is not None and dims[1] == tokens != dims[0]:
+        return node.args[0]
+    return None
 
 
 def _cut_to_capacity(rows: Node) -> Node | None:
@@ -252,12 +274,12 @@ def _gather_source(rows_value: Node, index: Node) -> Node | None:
     rows), or x[B][M] where `index` is B[M]: TensorRT-LLM gathers every routed row once, then each
     expert's at its mask, and (x[B])[M] is x[B[M]] for any one index M along dim 0, boolean or integer."""
     node = strip_shape_ops(rows_value)
-    if is_call(node, aten.index_select.default) and node.args[1] == 0 and node.args[2] is index:
+    if is_call(node, aten.index_select.default) and node.args[1] == 0 and _same_value(node.args[2], index):
         return node.args[0]  # `torch.index_select(x, 0, index)`: x[index]
     if not is_call(node, aten.index.Tensor):
         return None
     base, indices = node.args[0], list(node.args[1])
-    if indices == [index]:
+    if len(indices) == 1 and _same_value(indices[0], index):  # `rows[e]` written twice is two equal nodes
         return base
     if (len(indices) == 1 and is_call(index, aten.index.Tensor) and len(index.args[1]) == 1
             and _same_value(indices[0], index.args[1][0])):
@@ -317,6 +339,9 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
         tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
     if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
         return no("the accumulator does not hold one row per token of the hidden states", base)
+    chooser = next((c for t in terms if (c := _chosen_by_the_expert(t.rows, tokens)) is not None), None)
+    if chooser is not None:
+        return no(EXPERTS_CHOOSE_TOKENS, chooser)
     root = through_trailing_cast(end)
     scaled = _scaled_after(root) if all(t.coefficient is None and t.input_scaled_by is None for t in terms) else None
     if scaled is not None:  # out * w[:, None] after the loop: each expert's rows take their tokens' weight
