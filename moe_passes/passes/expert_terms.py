@@ -388,7 +388,7 @@ def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | NoMatch 
         return NoMatch(f"some experts have no {name}")
     if isinstance(projections[0], Node):  # biases: no layout
         weights, out_in = projections, True
-    elif len({p.out_in for p in projections}) != 1:
+    elif len({(p.out_in, p.out_rows) for p in projections}) != 1:
         return NoMatch(f"the {name} weights of the experts are laid out differently")
     else:
         weights, out_in = [p.weight for p in projections], projections[0].out_in
@@ -396,10 +396,11 @@ def role_weights(terms: list[ExpertTerm], name: str) -> ExpertWeights | NoMatch 
     dtypes = {dtype(w) for w in weights}
     if len(shapes) != 1 or len(dtypes) != 1:
         return NoMatch(f"the {name} weights of the experts differ in shape or dtype")
+    out_rows = None if isinstance(projections[0], Node) else projections[0].out_rows
     stacked = _stacked_source(weights)
     if stacked is not None:  # w[e] for e = 0..E-1 of one stacked parameter: pass the stack itself
-        return ExpertWeights(stacked=stacked, out_in=out_in)
-    return ExpertWeights(per_expert=tuple(weights), out_in=out_in)
+        return ExpertWeights(stacked=stacked, out_in=out_in, out_rows=out_rows)
+    return ExpertWeights(per_expert=tuple(weights), out_in=out_in, out_rows=out_rows)
 
 
 def first_no_match(*roles: ExpertWeights | NoMatch | None) -> NoMatch | None:

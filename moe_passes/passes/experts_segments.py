@@ -221,8 +221,11 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
                        piece)
     product = gated_product(joined.rows)
     split = halves(product.gate, product.up) if product is not None else None
+    swapped = split is None and product is not None and gate_second(product)
+    if swapped:  # up * act(gate) with up first (dolomite-engine's GLU): the halves of W are swapped
+        split = halves(product.up, product.gate)
     inner = _joined(split[0]) if split is not None else None
-    if inner is None and product is not None and gate_second(product):
+    if inner is None and swapped:
         return NoMatch(GATE_SECOND, piece)
     if inner is None or len(inner.pieces) != experts:
         found = getattr(joined.rows.target, "__name__", str(joined.rows.target))
@@ -237,7 +240,18 @@ def _segment_term(piece: Node, e: int, experts: int, segments: list[tuple[int, S
         return NoMatch(f"expert {e}'s gate/up input is not a segment of the sorted rows", piece)
     segments.extend([(e, segment), (e, joined)] + ([(e, inner.placed[e])] if inner.placed else []))
     activation, desc = activation_of(product.activation_node)
+    if swapped:  # gate = W[I:2I], up = W[:I] of the joined weight, passed as two roles (views of it)
+        size = split[1]
+        gate = dataclasses.replace(gate_up, out_rows=(size, 2 * size))
+        up = dataclasses.replace(gate_up, out_rows=(0, size))
+        return ExpertTerm(piece, piece, None, segment.rows, activation, desc, None, gate, up, down)
     return ExpertTerm(piece, piece, None, segment.rows, activation, desc, gate_up, None, None, down)
+
+
+ROWS_FROM_A_GRAPH_INPUT = (
+    "the rows are gathered at indices this graph receives as an input: they were computed before a graph break "
+    "(see the breaks), so whether they are the tokens sorted by expert cannot be checked"
+)
 
 
 def _picked_by_graph_input(rows: Node) -> bool:
@@ -324,6 +338,8 @@ def _sorted_rows(sorted_rows: Node, path: list[Node]) -> tuple[SlotAlgebra, Rows
     """The slot algebra of the ids the rows are sorted by, the rows it reads and the combine on `path`
     that brings them back to the same tokens; else why not."""
     ids = sorted_ids(sorted_rows)
+    if ids is None and _picked_by_graph_input(sorted_rows):
+        return NoMatch(ROWS_FROM_A_GRAPH_INPUT, sorted_rows)
     if ids is None or len(shape(ids) or ()) != 2 or const_int(shape(ids)[1]) is None:
         return NoMatch("the rows are not ordered by sorting the flat expert ids", sorted_rows)
     algebra = SlotAlgebra(ids, const_int(shape(ids)[1]))

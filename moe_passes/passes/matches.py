@@ -74,6 +74,9 @@ class ExpertWeights:
     stacked: Node | None = None
     per_expert: tuple[Node, ...] = ()
     out_in: bool = True
+    # The role is these output features [start, stop) of each expert's matrix: the gate and the up half
+    # of a joined gate/up weight whose activation reads the second half (`up * act(gate)`, up first).
+    out_rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if (self.stacked is None) == (not self.per_expert):

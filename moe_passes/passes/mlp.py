@@ -160,6 +160,7 @@ class Projection:
     input: Node
     weight: Node
     out_in: bool
+    out_rows: tuple[int, int] | None = None  # only these output features of W are this projection's
 
 
 def projection(node: Node) -> Projection | None:

@@ -19,15 +19,23 @@ from .matches import ExpertsMatch, ExpertWeights, IdsCheck
 aten = torch.ops.aten
 
 
+def _out_rows(emit: Emitter, weight: Node, weights: ExpertWeights) -> Node:
+    """`weight` (one expert's, or the stack) cut to the role's output features (a view)."""
+    if weights.out_rows is None:
+        return weight
+    start, stop = weights.out_rows
+    return emit.call(aten.slice.Tensor, (weight, -2 if weights.out_in else -1, start, stop))
+
+
 def _weight_list(emit: Emitter, weights: ExpertWeights, want_out_in: bool) -> list[Node]:
     """One 2-D node per expert, laid out [out, in] when `want_out_in` (views, never copies)."""
     if weights.stacked is not None:
-        stacked = weights.stacked
+        stacked = _out_rows(emit, weights.stacked, weights)
         if weights.out_in != want_out_in:
             stacked = emit.call(aten.transpose.int, (stacked, -2, -1))
         count = shape(stacked)[0]
         return emit.getitems(emit.call(aten.unbind.int, (stacked, 0)), int(count))
-    nodes = list(weights.per_expert)
+    nodes = [_out_rows(emit, n, weights) for n in weights.per_expert]
     if weights.out_in != want_out_in:
         nodes = [emit.call(aten.t.default, (n,)) for n in nodes]
     return nodes
@@ -35,9 +43,10 @@ def _weight_list(emit: Emitter, weights: ExpertWeights, want_out_in: bool) -> li
 
 def _weight_stack(emit: Emitter, weights: ExpertWeights, want_out_in: bool) -> Node:
     """The stacked [E, ., .] weight, laid out [E, out, in] when `want_out_in` (a view, never a copy)."""
+    stacked = _out_rows(emit, weights.stacked, weights)
     if weights.out_in != want_out_in:
-        return emit.call(aten.transpose.int, (weights.stacked, -2, -1))
-    return weights.stacked
+        return emit.call(aten.transpose.int, (stacked, -2, -1))
+    return stacked
 
 
 def _as_2d(emit: Emitter, node: Node, last: int) -> Node:
