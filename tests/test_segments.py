@@ -143,6 +143,39 @@ class GateSecond(SegmentMoE):
         return zeros.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
 
 
+class UnequalParts(SegmentMoE):
+    """A joined projection of 3 features cut into 1 and 2 (`h[:, :1] * act(h[:, 1:])`, broadcast): no
+    halves, so neither order is a gated MLP of two equal halves."""
+
+    gate_second = True
+
+    def forward(self, layer_input):
+        bsz, length, emb_size = layer_input.size()
+        layer_input = layer_input.reshape(-1, emb_size)
+        _, batch_index, batch_gates, expert_size = self.router(layer_input)
+        h = self.input_linear(layer_input[batch_index], expert_size)
+        h = h[:, :1] * self.activation(h[:, 1:]) if self.gate_second else self.activation(h[:, :1]) * h[:, 1:]
+        expert_outputs = self.output_linear(h, expert_size) * batch_gates[:, None]
+        zeros = torch.zeros((bsz * length, emb_size), dtype=expert_outputs.dtype)
+        return zeros.index_add(0, batch_index, expert_outputs).view(bsz, length, emb_size)
+
+
+@pytest.mark.parametrize("gate_second", [True, False])
+def test_a_joined_projection_cut_into_unequal_parts_is_declined(gate_second):
+    model, inputs = FORM.build(layers=1)
+    moe = model.moes[0]
+    moe.__class__ = UnequalParts
+    moe.gate_second = gate_second
+    experts, _, hidden = moe.input_linear.weight.shape
+    with torch.no_grad():  # 3 joined features, 2 into the down projection
+        moe.input_linear.weight = torch.nn.Parameter(torch.randn(experts, 3, hidden) * 0.1)
+        moe.output_linear.weight = torch.nn.Parameter(torch.randn(experts, hidden, 2) * 0.1)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        report, output, recorder = run_hpu_moe(model, inputs)
+    assert not recorder.fused_nodes() and report.declined, str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))
+
+
 class SortedBeforeABreak(SegmentMoE):
     """The routing sorted in one graph, the experts run in the next (a graph break between them)."""
 

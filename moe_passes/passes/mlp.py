@@ -105,6 +105,8 @@ def halves(gate: Node, up: Node) -> tuple[Node, int] | None:
     if is_call(gate, aten.slice.Tensor) and is_call(up, aten.slice.Tensor) and gate.args[0] is up.args[0]:
         source = gate.args[0]
         width = const_int(shape(source)[-1])
+        if width is None or width % 2:  # `h[:, :1] * act(h[:, 1:])` of 3 features: unequal parts, no halves
+            return None
         g = _slice_bounds(gate, width)
         u = _slice_bounds(up, width)
         if g and u and _last_dim(gate, g[0]) and g[1:] == (0, width // 2) and u[1:] == (width // 2, width):
