@@ -334,7 +334,7 @@ def test_values_read_as_numbers_in_the_graph_are_reported_not_warned_about(monke
 
 class _CapacityReadThenDenseLoop(nn.Module):
     """A number read on the host from the counts (a graph break), then a dense mask loop that scales each
-    expert's output by a test of that number: the finder cannot vary it under its probes."""
+    expert's output by that number: the finder cannot vary it under its probes."""
 
     def __init__(self, hidden=H, experts=4):
         super().__init__()
@@ -346,7 +346,7 @@ class _CapacityReadThenDenseLoop(nn.Module):
         capacity = int(torch.bincount(ids.flatten(), minlength=len(self.experts)).max().item())
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            out = out + expert(x) * (weights * (ids == e)).sum(-1, keepdim=True) * (capacity > 0)
+            out = out + expert(x) * (weights * (ids == e)).sum(-1, keepdim=True) * capacity
         return out
 
 
