@@ -11,7 +11,7 @@ probe routing tensors (probe.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.fx import Node
@@ -167,6 +167,13 @@ def _read_mlp(node: Node) -> MlpRead | None:
         if fused is None:
             return None
         return MlpRead(hidden=fused.input, gate_up=fused, **read)
+    swapped = halves(product.up, product.gate)  # `up, gate = gate_up(x).chunk(2)`: the gate second
+    if swapped is not None:
+        fused, size = projection(swapped[0]), swapped[1]
+        if fused is None:
+            return None
+        gate = replace(fused, out_rows=(size, 2 * size))  # two views of one weight
+        return MlpRead(hidden=fused.input, gate=gate, up=replace(fused, out_rows=(0, size)), **read)
     gate, up = projection(product.gate), projection(product.up)
     if gate is None or up is None or gate.input is not up.input:
         return None
