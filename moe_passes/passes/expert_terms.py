@@ -486,10 +486,8 @@ def _expert_ids_from(frontier: set[Node], slices: list[list[Node]], terms: list[
         return NoMatch(unprobeable("the per-expert routing weight", why))
 
 
-def _token_axis_values(value: torch.Tensor | None, out_shape: tuple, rows: int) -> torch.Tensor | None:
+def _token_axis_values(value: torch.Tensor, out_shape: tuple, rows: int) -> torch.Tensor | None:
     """The coefficient broadcast against an expert output of `out_shape`, as one value per row."""
-    if value is None:
-        return None
     try:
         full = value.expand(torch.broadcast_shapes(value.shape, out_shape))
     except RuntimeError:
@@ -500,12 +498,9 @@ def _token_axis_values(value: torch.Tensor | None, out_shape: tuple, rows: int) 
     return flat[:, 0]
 
 
-def _coefficient_value(term: ExpertTerm, env: dict) -> torch.Tensor | None:
-    """The term's per-token coefficient under one probe; None where a factor is not made from the
-    routing (`* (capacity > 0)` of a number read before a graph break: the probe cannot vary it)."""
-    factors = (term.coefficient, *term.more_factors)
-    if any(factor not in env for factor in factors):
-        return None
+def _coefficient_value(term: ExpertTerm, env: dict) -> torch.Tensor:
+    """The term's per-token coefficient under one probe (`_assign` checks first that every factor was
+    evaluated from the routing)."""
     value = env[term.coefficient]
     for factor in term.more_factors:
         value = value * env[factor]
@@ -526,7 +521,7 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     if term.slots_per_token is not None:
         k = term.slots_per_token
         table = _coefficient_value(term, env)
-        if table is None or rows.dim() != 1 or rows.dtype.is_floating_point or tuple(table.shape) != (tokens, k):
+        if rows.dim() != 1 or rows.dtype.is_floating_point or tuple(table.shape) != (tokens, k):
             return None
         if bool(((rows < 0) | (rows >= tokens * k)).any()) or rows.unique().numel() != rows.numel():
             return None
