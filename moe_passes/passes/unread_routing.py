@@ -197,11 +197,7 @@ def _rows_of_experts(table: object, experts: int, scored: set[Node]) -> bool:
     """A table with one row per expert (its first dim is E) that the router did not score (the tokens'
     hidden states, whose rows a top-k over positions picks, are not one)."""
     rows = shape(table) if isinstance(table, Node) else None
-    if not rows or const_int(rows[0]) != experts:
-        return False
-    while (is_call(table, *_MOVES) or is_cast(table)) and isinstance(table.args[0], Node):
-        table = table.args[0]
-    return table not in scored
+    return bool(rows) and const_int(rows[0]) == experts and _root_of(table) not in scored
 
 
 def _per_row(path: list[Node]) -> bool:
@@ -222,18 +218,21 @@ def _one_hot(user: Node, ids: Node | None, experts: int) -> bool:
     )
 
 
+def _moves_of(ids: Node) -> list[Node]:
+    """`ids` and every node made from it by moves and casts only."""
+    found, frontier = [ids], [ids]
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in found and (is_call(user, *_MOVES) or is_cast(user)):
+                found.append(user)
+                frontier.append(user)
+    return found
+
+
 def _numbers_compared_with(ids: Node) -> set:
     """The constants `ids`, or moves of them (a batch row's), are compared with for equality."""
-    numbers, frontier, seen = set(), [ids], {ids}
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if is_call(user, aten.eq.Scalar, aten.ne.Scalar) and user.args[0] is node:
-                numbers.add(user.args[1])
-            elif user not in seen and (is_call(user, *_MOVES) or is_cast(user)):
-                seen.add(user)
-                frontier.append(user)
-    return numbers
+    return {user.args[1] for node in _moves_of(ids) for user in node.users
+            if is_call(user, aten.eq.Scalar, aten.ne.Scalar) and user.args[0] is node}
 
 
 def _root_of(node: Node) -> Node:
@@ -246,16 +245,7 @@ def _root_of(node: Node) -> Node:
 def _leaves_the_graph(ids: Node) -> bool:
     """The choices, or moves of them, are an output of the graph: its experts may run in a later graph
     (a graph break after the router), and the break is then the reason to report, not the router."""
-    frontier, seen = [ids], {ids}
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user.op == "output":
-                return True
-            if user not in seen and (is_call(user, *_MOVES) or is_cast(user) or is_getitem(user)):
-                seen.add(user)
-                frontier.append(user)
-    return False
+    return any(user.op == "output" for node in _moves_of(ids) for user in node.users)
 
 
 def _reaching_products(graph: torch.fx.Graph) -> set[Node]:
@@ -269,6 +259,8 @@ def _reaching_products(graph: torch.fx.Graph) -> set[Node]:
 
 _ROW_PICKS = frozenset({aten.index.Tensor, aten.index_select.default, aten.index_put.default,
                         aten.index_put_.default, aten._unsafe_index_put.default, aten.masked_select.default})
+_INDEX_LISTS = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                          aten._unsafe_index_put.default})
 _MASKINGS = frozenset({aten.mul.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
                        aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default})
 
@@ -295,8 +287,8 @@ def _picks_scored_rows(node: Node, derived: set[Node], scored: set[Node]) -> boo
     choices."""
     if not is_call(node, *_ROW_PICKS) or not isinstance(node.args[0], Node):
         return False
-    index_args = node.args[1] if is_call(node, aten.index.Tensor, *_MASKINGS) else node.args[1:]
-    indices = [i for i in (index_args if isinstance(index_args, list | tuple) else [index_args]) if isinstance(i, Node)]
+    index_args = node.args[1] if is_call(node, *_INDEX_LISTS) else node.args[1:]  # a list, or (dim, index) / mask
+    indices = [i for i in _flat(index_args) if isinstance(i, Node)]
     return any(i in derived for i in indices) and bool(set(ancestors(node.args[0], limit=256)) & scored)
 
 
