@@ -271,15 +271,13 @@ def _steers_experts(reader: Node, scored: set[Node], to_products: set[Node]) -> 
     expert computes. Choices turned into float data (a codebook's one-hot, a sparse code, an embedding
     of chosen tokens) are not expert choices."""
     derived, frontier = {reader}, [reader]
-    while frontier:
-        node = frontier.pop()
-        if node in to_products and (_picks_scored_rows(node, derived, scored) or _masks_with(node, derived)):
-            return True
-        for user in node.users:
+    while frontier:  # every value made from the choices first: an index is read wherever the walk meets it
+        for user in frontier.pop().users:
             if user not in derived:
                 derived.add(user)
                 frontier.append(user)
-    return False
+    return any(node in to_products and (_picks_scored_rows(node, derived, scored) or _masks_with(node, derived))
+               for node in derived)
 
 
 def _picks_scored_rows(node: Node, derived: set[Node], scored: set[Node]) -> bool:
