@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.helpers import assert_close_for_dtype, backward_like_eager, eager_output, run_hpu_moe
 
 E, K, H, INTER = 4, 2, 8, 16
 
@@ -71,3 +71,84 @@ def test_sorted_slices_whose_output_size_is_a_count_of_rows_are_fused():
     model = SortedSlicesOutMajor().eval()
     for tokens in (7, 3):
         _fused_and_equal(model, tokens, "segments")
+
+
+class SigmoidRouterGatheredEinsum(nn.Module):
+    """DeepSeek-V3's gate (sigmoid scores, a correction bias for the choice only, renormalised with
+    1e-20, scaled) over weights gathered per slot in einsums, combined as `(y * w[..., None]).sum(1)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = _param(E, H)
+        self.register_buffer("e_score_correction_bias", torch.randn(E) * 0.1)
+        self.w_gate, self.w_up, self.w_down = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+
+    def forward(self, x):
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        _, ids = torch.topk(scores + self.e_score_correction_bias, k=K, dim=-1, sorted=False)
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.5
+        g = torch.einsum("th,tkhi->tki", x, self.w_gate[ids])
+        u = torch.einsum("th,tkhi->tki", x, self.w_up[ids])
+        y = torch.einsum("tki,tkih->tkh", F.silu(g) * u, self.w_down[ids])
+        return (y * w.unsqueeze(-1)).sum(dim=1)
+
+
+class SlotRowsBatchedMatmul(nn.Module):
+    """Weights gathered per slot and multiplied with `torch.bmm`: the slot rows made by a view
+    (`x[:, None].expand(T, k, H).reshape(-1, 1, H)`), gate and up two stacks (or, `transposed`, kept
+    [E, out, in] and used as `.transpose(1, 2)`), the weights applied after `.view(T, k, H)`."""
+
+    def __init__(self, transposed: bool = False, tiled: bool = False):
+        super().__init__()
+        self.transposed, self.tiled = transposed, tiled
+        self.gate = nn.Linear(H, E, bias=False)
+        shapes = ((E, INTER, H), (E, INTER, H), (E, H, INTER)) if transposed else ((E, H, INTER),) * 2 + ((E, INTER, H),)
+        self.w1, self.w3, self.w2 = (_param(*s) for s in shapes)
+
+    def _stack(self, weight, flat):
+        return weight[flat].transpose(1, 2) if self.transposed else weight[flat]
+
+    def forward(self, x):
+        tokens = x.shape[0]
+        w, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        flat = ids.reshape(-1)
+        if self.tiled:  # slot-major copies: row s is token s % T, not the slot s of ids.reshape(-1)
+            xs = x.repeat(K, 1).unsqueeze(1)
+        else:
+            xs = x.unsqueeze(1).expand(tokens, K, H).reshape(tokens * K, 1, H)
+        h = F.silu(torch.bmm(xs, self._stack(self.w1, flat))) * torch.bmm(xs, self._stack(self.w3, flat))
+        y = torch.bmm(h, self._stack(self.w2, flat)).view(tokens, K, H)
+        return (y * w[..., None]).sum(1)
+
+
+def test_gathered_einsum_experts_with_the_combine_written_as_a_weighted_sum_are_fused():
+    """`(y * w[..., None]).sum(1)` is the same combine as `einsum("tkh,tk->th", y, w)`: it was declined
+    ("the combine is not sum_a weights[t, a] * ...")."""
+    torch.manual_seed(0)
+    model = SigmoidRouterGatheredEinsum().eval()
+    _fused_and_equal(model, 7, "gathered_einsum")
+    backward_like_eager(model, (torch.randn(5, H),))
+
+
+def test_batched_matmul_experts_on_slot_rows_made_by_a_view_are_fused():
+    """Rows [T * k, 1, H] made by a view (not `unsqueeze`), gate and up as two stacks, the weights
+    applied after the view: was declined ("routing weights do not multiply the output of a batched
+    down projection")."""
+    torch.manual_seed(0)
+    for transposed in (False, True):
+        model = SlotRowsBatchedMatmul(transposed=transposed).eval()
+        _fused_and_equal(model, 7, "batched_mm")
+    backward_like_eager(model, (torch.randn(5, H),))
+
+
+def test_batched_matmul_on_slot_major_copies_of_the_tokens_is_not_fused():
+    """`x.repeat(k, 1)` puts token s % T in row s; the ids, flattened, name slot s of token s // k: the
+    rows do not line up with the experts they are multiplied by, and the layer is left as written."""
+    torch.manual_seed(0)
+    model = SlotRowsBatchedMatmul(tiled=True).eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and "repeated k times" in str(report), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -5,6 +5,9 @@
     y = bmm(W_down[ids.view(-1)], h[..., None]) * w.view(-1)[:, None]
     out = y.view(T, k, H).sum(1)
 
+Hand-written code spells the same with the slot rows made by a view (`x[:, None].expand(T, k,
+H).reshape(-1, 1, H)`), gate and up as two stacks, weights kept [E, out, in] and gathered as
+`W[ids].transpose(1, 2)`, and the weights applied after the view (`(y.view(T, k, H) * w[..., None]).sum(1)`).
 The anchor is the final `sum` over the k slots. Slot s of the flat tensors is token s // k, slot
 s % k, which is what `repeat_interleave` and `view(-1)` of [T, k] both give; the checks below make sure
 the three flat tensors (rows, ids, weights) are indexed that way.
@@ -41,12 +44,26 @@ def _near_bmm_of_gathered_weights(node: Node) -> bool:
     return within(node, 10, lambda n: is_call(n, aten.bmm.default) and any(_gathered(a) for a in n.args))
 
 
-def _gathered(node: Node) -> tuple[Node, Node] | None:
-    """(stacked weight, flat ids) when node = W[ids_flat]."""
+def _gathered(node: Node) -> tuple[Node, Node, bool] | None:
+    """(stacked weight, flat ids, transposed) when node = W[ids_flat], or W[ids_flat].transpose(1, 2)
+    (weights kept [E, out, in], nn.Linear's layout, and multiplied as [in, out])."""
     node = strip_casts(node)
+    transposed = is_call(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]
+    if transposed:
+        node = strip_casts(node.args[0])
     if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and len(shape(node.args[0])) == 3:
-        return node.args[0], node.args[1][0]
+        return node.args[0], node.args[1][0], transposed
     return None
+
+
+def _one_row_each(node: Node, dim: int) -> Node | None:
+    """The rows of a [N, 1, in] (dim 1) or [N, in, 1] (dim 2) batch of single-row matrices: x of
+    `x.unsqueeze(dim)`, or the batch itself (the slot rows made by a view, `x[:, None].expand(T, k,
+    H).reshape(-1, 1, H)`, or a product of such batches), which the row readers see through."""
+    if is_call(node, aten.unsqueeze.default) and node.args[1] % 3 == dim:
+        return node.args[0]
+    dims = shape(node)
+    return node if dims is not None and len(dims) == 3 and const_int(dims[dim]) == 1 else None
 
 
 def _batched_linear(output: Node) -> StackedLinear | None:
@@ -57,13 +74,13 @@ def _batched_linear(output: Node) -> StackedLinear | None:
         return None
     left, right = node.args
     gathered = _gathered(right)
-    if gathered is not None and is_call(left, aten.unsqueeze.default) and left.args[1] in (1, -2):
-        rows, out_in = left.args[0], False
+    if gathered is not None and (rows := _one_row_each(left, 1)) is not None:
+        out_in = gathered[2]
     else:
         gathered = _gathered(left)
-        if gathered is None or not (is_call(right, aten.unsqueeze.default) and right.args[1] in (-1, 2)):
+        if gathered is None or (rows := _one_row_each(right, 2)) is None:
             return None
-        rows, out_in = right.args[0], True
+        out_in = not gathered[2]
     return StackedLinear(node, rows, gathered[0], out_in, gathered[1], bias, bias_ids)
 
 
@@ -92,7 +109,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     if isinstance(read, NoMatch):
         return read.decline(FORM, out)
     top_k, down, slot_weights = read
-    tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-slot gathered weights")
+    tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-slot gathered weights", separate=True)
     if isinstance(tail, NoMatch):
         return tail.decline(FORM, out)
     same_ids = {strip_shape_ops(n) for n in (tail.up.bias_ids, down.chosen_by, down.bias_ids)}

@@ -298,5 +298,7 @@ def halves_of(split: Node, width: object) -> bool:
     return len(pieces) == 2 and const_int(pieces[0]) == const_int(pieces[1]) and const_int(pieces[0]) * 2 == const_int(width)
 
 
-# The combine's bmm ends the region; with one slot (k = 1) einsum writes it as a product.
-FINDER = Finder(FORM, (aten.bmm.default, aten.mul.Tensor), each_anchor(_is_candidate), match_at, priority=80)
+# The combine's bmm ends the region; with one slot (k = 1) einsum writes it as a product, and written by
+# hand as `(y * w[..., None]).sum(1)` it ends in the sum.
+FINDER = Finder(FORM, (aten.bmm.default, aten.mul.Tensor, aten.sum.dim_IntList), each_anchor(_is_candidate), match_at,
+                priority=80)
