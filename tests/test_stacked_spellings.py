@@ -152,3 +152,44 @@ def test_batched_matmul_on_slot_major_copies_of_the_tokens_is_not_fused():
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and "repeated k times" in str(report), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class DenseExpertsTable(nn.Module):
+    """Every expert on every token over stacked weights, weighted by a [T, E] table: built as
+    `zeros_like(probs).scatter(1, ids, w)` and read by `einsum("eth,te->th")` (Qwen's unnormalised
+    top-k), `(y * table.t()[..., None]).sum(0)` (Grok-1's), or built as `(one_hot(ids) * w[..., None]).sum(1)`
+    over `x.expand(E, T, H)` and batched matmuls."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w_gate, self.w_up, self.w_down = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = probs.topk(K, dim=-1)
+        if self.spelling == "expand":
+            table = (F.one_hot(ids, E).to(x.dtype) * w[..., None]).sum(1)
+            xe = x.expand(E, x.shape[0], H)
+            y = torch.bmm(F.silu(torch.bmm(xe, self.w_gate)) * torch.bmm(xe, self.w_up), self.w_down)
+            return (table.t()[..., None] * y).sum(0)
+        table = torch.zeros_like(probs).scatter(1, ids, w)
+        g = torch.einsum("th,ehi->eti", x, self.w_gate)
+        u = torch.einsum("th,ehi->eti", x, self.w_up)
+        y = torch.einsum("eti,eih->eth", F.silu(g) * u, self.w_down)
+        if self.spelling == "einsum":
+            return torch.einsum("eth,te->th", y, table)
+        return (y * table.t()[..., None]).sum(0)
+
+
+def test_dense_experts_weighted_by_a_table_scattered_into_zeros_like_the_scores_are_fused():
+    """`zeros_like(probs)` reads only the size of probs: the table is made from the ids and weights alone
+    (it was no candidate). A transposed table (`table.t()[..., None]`) is read as [E, T], also where T
+    equals E, where the labels alone cannot tell the two orders apart."""
+    torch.manual_seed(0)
+    for spelling in ("einsum", "transposed", "expand"):
+        model = DenseExpertsTable(spelling).eval()
+        for tokens in (7, E):
+            _fused_and_equal(model, tokens, "dense_einsum")
+    backward_like_eager(DenseExpertsTable("transposed"), (torch.randn(5, H),))

@@ -25,15 +25,21 @@ def routing_table(node: Node) -> bool:
 
 def table_labels(node: Node) -> tuple[Node, tuple] | None:
     """(the 2-D routing table, labels of `node`'s dims) when `node` is the table, or a cast of it with
-    size-1 dims inserted (`table.unsqueeze(-1).to(y.dtype)`): ("t", "e") with None at the inserted dims."""
-    inserted = []
+    size-1 dims inserted (`table.unsqueeze(-1).to(y.dtype)`), transposed or not (`table.t()[..., None]`):
+    ("t", "e"), or ("e", "t"), with None at the inserted dims."""
+    inserted, transposed = [], False
     while is_cast(node) or is_call(node, aten.unsqueeze.default):
         if is_call(node, aten.unsqueeze.default):
             inserted.append(node.args[1] % len(shape(node)))
         node = node.args[0]
+    if len(shape(node) or ()) == 2 and (is_call(node, aten.t.default) or is_call(node, aten.transpose.int) or (
+            is_call(node, aten.permute.default) and [d % 2 for d in node.args[1]] == [1, 0])):
+        node, transposed = node.args[0], True
+        while is_cast(node):
+            node = node.args[0]
     if not routing_table(node):
         return None
-    labels: list = ["t", "e"]
+    labels: list = ["e", "t"] if transposed else ["t", "e"]
     for dim in reversed(inserted):  # innermost unsqueeze first
         labels.insert(dim, None)
     return node, tuple(labels)

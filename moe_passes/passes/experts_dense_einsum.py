@@ -149,9 +149,12 @@ def _projection(node: Node, rows: dict, weight: Node, contracted: str, kept: tup
 
 
 def _expanded_tokens(rows: Node, experts: int) -> Node | None:
-    """x when `rows` is x ([T, H]) once per expert: x.unsqueeze(0).expand(E, T, H) (or x.repeat(E, 1, 1))."""
+    """x when `rows` is x ([T, H]) once per expert: x.unsqueeze(0).expand(E, T, H), x.expand(E, T, H) (a new
+    leading dim) or x.repeat(E, 1, 1)."""
     if is_call(rows, aten.expand.default) and is_call(rows.args[0], aten.unsqueeze.default) and rows.args[0].args[1] == 0:
         x = rows.args[0].args[0]
+    elif is_call(rows, aten.expand.default) and len(shape(rows.args[0]) or ()) == 2 and len(rows.args[1]) == 3:
+        x = rows.args[0] if same_size(shape(rows.args[0])[0], shape(rows)[1]) else None  # no token broadcast
     elif is_call(rows, aten.repeat.default) and len(shape(rows.args[0]) or ()) == 2:
         x = rows.args[0] if [const_int(r) for r in rows.args[1]] == [experts, 1, 1] else None
     else:

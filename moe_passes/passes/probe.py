@@ -205,10 +205,16 @@ def evaluate(nodes: list[Node], env: dict, extra_ops: frozenset = frozenset(), c
             sorted_.add(node)
         if from_sum:
             summed.add(node)
+        args_env = env
+        if node.target in SHAPE_READERS and node.args[0] not in env:  # only its size and dtype: a stand-in
+            like = node.args[0].meta.get("val")
+            if not isinstance(like, torch.Tensor):
+                raise NotProbeable(f"{node.name} reads the size of a value that is not a tensor")
+            args_env = {**env, node.args[0]: torch.zeros([concrete(d) for d in like.shape], dtype=like.dtype)}
         kwargs = dict(concrete_args(node.kwargs, env))
         if "device" in kwargs:  # factory ops: probes run on the CPU whatever device was traced
             kwargs["device"] = "cpu"
-        env[node] = node.target(*concrete_args(node.args, env), **kwargs)
+        env[node] = node.target(*concrete_args(node.args, args_env), **kwargs)
     return env
 
 
@@ -488,13 +494,19 @@ def gathers_at_data_size(node: Node) -> bool:
     return isinstance(value, torch.Tensor) and bool(free_unbacked_symbols(value.shape))
 
 
+# Ops that read their first argument's size, dtype and device only (never its values).
+SHAPE_READERS = frozenset({
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.new_zeros.default,
+})
+
+
 def builds_table(node: Node) -> bool:
     """A tensor that probe-able ops make from integer ids (a routing table of any dtype: scatter_add,
     one_hot(ids) * w summed over the slots), a view or cast on the way to one (`w[..., None]`), or a
     constant tensor made from sizes alone (the zeros a table is scattered into)."""
     if node.op != "call_function" or node.target not in PROBE_OPS or is_getitem(node):
         return False
-    if node.target in SHAPE_ONLY_OPS or is_cast(node):
+    if node.target in SHAPE_ONLY_OPS or is_cast(node) or node.target in SHAPE_READERS:
         return True
     if not any(isinstance(n.meta.get("val"), torch.Tensor) for n in node.all_input_nodes):  # sizes only
         return isinstance(node.meta.get("val"), torch.Tensor)
@@ -532,7 +544,8 @@ def table_sources(table: Node) -> tuple[set[Node], list[Node]]:
         seen.add(node)
         if node is table or builds_mask(node) or builds_table(node):
             nodes.append(node)
-            stack.extend(node.all_input_nodes)
+            # `zeros_like(probs)` reads only probs' size: probs is no source of the table
+            stack.extend(node.all_input_nodes if node.target not in SHAPE_READERS else node.all_input_nodes[1:])
         elif isinstance(node.meta.get("val"), torch.Tensor):
             sources.add(node)
     order = {n: i for i, n in enumerate(table.graph.nodes)}
