@@ -5,6 +5,7 @@ written here as its code base would, and fails without the change that handles i
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -193,3 +194,70 @@ def test_dense_experts_weighted_by_a_table_scattered_into_zeros_like_the_scores_
         for tokens in (7, E):
             _fused_and_equal(model, tokens, "dense_einsum")
     backward_like_eager(DenseExpertsTable("transposed"), (torch.randn(5, H),))
+
+
+class RowsGatheredWeights(nn.Module):
+    """Each row multiplied by weights gathered at its own expert id, the rows in some order and brought
+    back to the tokens by some combine:
+    - "flat": row s is token s // k (`arange(T)[:, None].expand(T, k).reshape(-1)`), per-row einsums,
+      `index_put_(..., accumulate=True)` (a near miss: "unsorted_ids" gathers the weights of the
+      sorted rows by the unsorted ids);
+    - "sorted": rows sorted by expert (`x[order // k]`), `torch.bmm`, weights scaled per row, a
+      `scatter_add_` by token (a near miss: "unsorted_weights" scales by the unsorted weights);
+    - "unsorted": the same rows put back in slot order with `index_copy`, then `(y.view(T, k, H) *
+      w[..., None]).sum(1)`."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w_gate, self.w_up, self.w_down = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+
+    def _experts(self, rows, ids):
+        h = F.silu(torch.einsum("nh,nhi->ni", rows, self.w_gate[ids])) * torch.einsum("nh,nhi->ni", rows, self.w_up[ids])
+        return torch.einsum("ni,nih->nh", h, self.w_down[ids])
+
+    def forward(self, x):
+        tokens = x.shape[0]
+        w, ids = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        flat = ids.reshape(-1)
+        out = torch.zeros_like(x)
+        if self.spelling == "flat":
+            token = torch.arange(tokens, device=x.device).unsqueeze(1).expand(tokens, K).reshape(-1)
+            y = self._experts(x[token], flat) * w.reshape(-1, 1)
+            return out.index_put_((token,), y, accumulate=True)
+        order = flat.argsort()
+        token = order // K
+        chosen = flat if self.spelling == "unsorted_ids" else flat[order]
+        ys = self._experts(x[token], chosen)
+        if self.spelling == "unsorted":
+            y = torch.empty_like(ys).index_copy_(0, order, ys)
+            return (y.view(tokens, K, H) * w[..., None]).sum(1)
+        scale = w.reshape(-1) if self.spelling == "unsorted_weights" else w.reshape(-1)[order]
+        return out.scatter_add_(0, token.unsqueeze(-1).expand(-1, H), ys * scale.unsqueeze(-1))
+
+
+def test_rows_multiplied_by_weights_gathered_at_their_own_ids_are_fused_in_any_order():
+    """Rows read and combined through the slot algebra (a token map made of arange, a sort by expert and
+    its inverse), each row's weights gathered by the id of the slot it holds: these were no candidate or
+    declined ("routing weights do not multiply the output of a batched down projection")."""
+    torch.manual_seed(0)
+    for spelling in ("flat", "sorted", "unsorted"):
+        model = RowsGatheredWeights(spelling).eval()
+        for tokens in (7, 1):
+            _fused_and_equal(model, tokens, "batched_mm")
+    backward_like_eager(RowsGatheredWeights("sorted"), (torch.randn(5, H),))
+
+
+@pytest.mark.parametrize(("spelling", "reason"), [
+    ("unsorted_ids", "not gathered by the id of the slot the row holds"),
+    ("unsorted_weights", "not permuted like the rows"),
+])
+def test_rows_whose_weights_or_scales_follow_another_order_are_declined(spelling, reason):
+    torch.manual_seed(0)
+    model = RowsGatheredWeights(spelling).eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and reason in str(report), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

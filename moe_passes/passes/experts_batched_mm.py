@@ -20,6 +20,7 @@ from torch.fx import Node
 
 from ..fx_utils import (
     const_int,
+    dtype,
     is_call,
     shape,
     slot_table,
@@ -34,7 +35,7 @@ from .finder import Finder, each_anchor
 from .gemm_tail import StackedLinear, expert_weights, read_gated_tail, stack_count
 from .matches import IDS_WEIGHTS_SHAPES, UNSCALED_OUTPUTS, Decline, ExpertsMatch, NoMatch
 from .sentinels import through_id_clamp, through_weight_mask
-from .slots import SLOTS, SlotAlgebra
+from .slots import SLOTS, Combine, IndexMap, SlotAlgebra, SlotCombines, Step, compose, same_size
 
 aten = torch.ops.aten
 FORM = "batched_mm"
@@ -47,13 +48,58 @@ def _near_bmm_of_gathered_weights(node: Node) -> bool:
 def _gathered(node: Node) -> tuple[Node, Node, bool] | None:
     """(stacked weight, flat ids, transposed) when node = W[ids_flat], or W[ids_flat].transpose(1, 2)
     (weights kept [E, out, in], nn.Linear's layout, and multiplied as [in, out])."""
-    node = strip_casts(node)
+    node = _in_order(strip_casts(node))
     transposed = is_call(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]
     if transposed:
-        node = strip_casts(node.args[0])
+        node = _in_order(strip_casts(node.args[0]))
     if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and len(shape(node.args[0])) == 3:
         return node.args[0], node.args[1][0], transposed
     return None
+
+
+_MOVES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.clone.default)
+
+
+def _in_order(node: Node) -> Node:
+    """The tensor `node` shows with the same elements in the same order, only size-1 dims added,
+    dropped or moved: einsum reaches the graph as such views and permutes (a pair of transposes that
+    cancel, a row [N, H] viewed [N, 1, H])."""
+    while is_call(node, *_MOVES) and isinstance(node.args[0], Node):
+        after = shape(node)
+        if is_call(node, aten.permute.default, aten.transpose.int):
+            order, source = list(range(len(after or ()))), node  # a run of permutes, composed
+            while is_call(source, aten.permute.default, aten.transpose.int) and isinstance(source.args[0], Node):
+                step = _permutation(source)
+                if step is None or len(step) != len(order):
+                    return node
+                order, source = [step[d] for d in order], source.args[0]
+            moved = [d for d, size in zip(order, after, strict=True) if const_int(size) != 1]
+            if moved != sorted(moved):
+                return node
+            node = source
+            continue
+        before = shape(node.args[0])
+        if before is None or after is None or not _same_sizes(
+                [d for d in before if const_int(d) != 1], [d for d in after if const_int(d) != 1]):
+            return node
+        node = node.args[0]
+    return node
+
+
+def _same_sizes(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(same_size, a, b))
+
+
+def _permutation(node: Node) -> list[int] | None:
+    """For each dim of a permute's or transpose's result, the dim of its input."""
+    rank = len(shape(node) or ())
+    if is_call(node, aten.permute.default):
+        return [d % rank for d in node.args[1]]
+    order = list(range(rank))
+    a, b = (d % rank for d in node.args[1:3])
+    order[a], order[b] = order[b], order[a]
+    return order
 
 
 def _one_row_each(node: Node, dim: int) -> Node | None:
@@ -63,13 +109,16 @@ def _one_row_each(node: Node, dim: int) -> Node | None:
     if is_call(node, aten.unsqueeze.default) and node.args[1] % 3 == dim:
         return node.args[0]
     dims = shape(node)
-    return node if dims is not None and len(dims) == 3 and const_int(dims[dim]) == 1 else None
+    if dims is None or len(dims) != 3 or const_int(dims[dim]) != 1:
+        return None
+    rows = _in_order(node)
+    return rows if len(shape(rows) or ()) == 2 else node
 
 
 def _batched_linear(output: Node) -> StackedLinear | None:
     """bmm(W[ids], x[..., None]) or bmm(x[:, None], W[ids]) (+ bias[ids]) as a stacked projection."""
     node, bias, bias_ids = _with_bias(strip_casts(output))
-    node = strip_shape_ops(node)
+    node = strip_shape_ops(_in_order(strip_shape_ops(node)))
     if not is_call(node, aten.bmm.default):
         return None
     left, right = node.args
@@ -102,13 +151,19 @@ def _read_down(out: Node) -> tuple[int, StackedLinear, Node] | NoMatch:
 
 
 def match_at(out: Node) -> ExpertsMatch | Decline:
+    read = _read_down(out) if is_call(out, aten.sum.dim_IntList) else NoMatch("no k-slot sum")
+    if isinstance(read, NoMatch):  # rows in another order, or another combine: read with the slot algebra
+        routed = _match_routed_rows(out)
+        if isinstance(routed, ExpertsMatch) or not is_call(out, aten.sum.dim_IntList):
+            return routed
+        return read.decline(FORM, out)
+    return _match_slot_sum(out, *read)
+
+
+def _match_slot_sum(out: Node, top_k: int, down: StackedLinear, slot_weights: Node) -> ExpertsMatch | Decline:
     def no(reason: str, at: Node | None = None) -> Decline:
         return Decline(FORM, reason, out, at)
 
-    read = _read_down(out)
-    if isinstance(read, NoMatch):
-        return read.decline(FORM, out)
-    top_k, down, slot_weights = read
     tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-slot gathered weights", separate=True)
     if isinstance(tail, NoMatch):
         return tail.decline(FORM, out)
@@ -146,7 +201,122 @@ def match_at(out: Node) -> ExpertsMatch | Decline:
     )
 
 
-# The k-slot sum that ends the region anchors it.
+def _match_routed_rows(out: Node) -> ExpertsMatch | Decline | None:
+    """Rows in any order the slot algebra reads (x[perm // k] sorted by expert, x[token of each slot],
+    repeated), each multiplied by its own gathered weights and brought back to the tokens by any combine
+    it reads (index_add / scatter_add / index_put by token, a view-sum after unsorting): the expert each
+    row is multiplied by must be the id of the slot the row holds, and the weight it is scaled by that
+    slot's weight. None where `out` is no combine of a batched down projection."""
+    def no(reason: str, at: Node | None = None) -> Decline:
+        return Decline(FORM, reason, out, at)
+
+    down = _down_under(out)
+    if down is None:
+        return None
+    routing = _routing_ids(down.chosen_by)
+    if routing is None:
+        return no("the experts' weights are not gathered by the routing ids at each row", down.chosen_by)
+    ids, algebra = routing
+    combine = SlotCombines(algebra).read(out)
+    if combine is None:
+        return None
+    tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-row gathered weights", separate=True)
+    if isinstance(tail, NoMatch):
+        return tail.decline(FORM, out)
+    if tail.gate.swiglu is not None or any(p.bias is not None for p in (*tail.projections.values(), down)):
+        return no("expert biases with rows in another order than the slots'", down.output)
+    rows = algebra.hidden_rows(tail.rows)
+    if rows is None:
+        return no("the batched rows are not the tokens of the slots they are multiplied for", tail.rows)
+    chosen = algebra.index(down.chosen_by)
+    if chosen != IndexMap(rows.domain, compose(rows.slot, (Step("expert"),))):
+        return no("a row's expert weights are not gathered by the id of the slot the row holds", down.chosen_by)
+    if (combine.domain, combine.slot) != (rows.domain, rows.slot):
+        return no("the expert outputs are not brought back to the tokens their rows were read from", combine.output)
+    weights = _row_weights(combine, down, algebra)
+    if isinstance(weights, NoMatch):
+        return weights.decline(FORM, out)
+    stacks = expert_weights(tail, None)
+    if isinstance(stacks, NoMatch):
+        return stacks.decline(FORM, out, down.stack)
+    if shape(weights) != shape(ids):
+        return no(IDS_WEIGHTS_SHAPES, down.chosen_by)
+    return ExpertsMatch(
+        form=FORM,
+        output=through_trailing_cast(combine.output),
+        hidden=rows.hidden,
+        ids=ids,
+        weights=weights,
+        num_experts=stack_count(tail),
+        top_k=algebra.top_k,
+        activation=tail.gate.activation,
+        **stacks,
+    )
+
+
+def _down_under(out: Node, depth: int = 8) -> StackedLinear | None:
+    """The batched down projection nearest under `out` (through its first operands and products)."""
+    frontier, seen = [out], set()
+    for _ in range(depth):
+        following = []
+        for node in frontier:
+            for arg in node.all_input_nodes:
+                if arg in seen:
+                    continue
+                seen.add(arg)
+                found = _batched_linear(arg)
+                if found is not None:
+                    return found
+                following.append(arg)
+        frontier = following
+    return None
+
+
+def _routing_ids(chosen_by: Node, depth: int = 8) -> tuple[Node, SlotAlgebra] | None:
+    """([T, k] ids, their slot algebra) for the ids whose values `chosen_by` holds at each row: the
+    nearest 2-D integer tensor above it in whose algebra `chosen_by` reads the ids."""
+    frontier, seen = [chosen_by], set()
+    for _ in range(depth):
+        following = []
+        for node in frontier:
+            for arg in node.all_input_nodes:
+                if arg in seen:
+                    continue
+                seen.add(arg)
+                dims, kind = shape(arg), dtype(arg)
+                if dims is not None and len(dims) == 2 and kind is not None and not kind.is_floating_point and (
+                        kind != torch.bool) and const_int(dims[1]) is not None:
+                    algebra = SlotAlgebra(arg, const_int(dims[1]))
+                    found = algebra.index(chosen_by)
+                    if isinstance(found, IndexMap) and found.steps and found.steps[-1] == Step("expert"):
+                        return arg, algebra
+                following.append(arg)
+        frontier = following
+    return None
+
+
+def _row_weights(combine: Combine, down: StackedLinear, algebra: SlotAlgebra) -> Node | NoMatch:
+    """The [T, k] routing weights: in the combine (a view-sum with w[..., None]) over the unscaled down
+    projection, or multiplying the down projection per row (w.view(-1)[perm, None]), read at the rows'
+    slots; else why not."""
+    values = strip_casts(combine.values)
+    if _batched_linear(values) == down:
+        return combine.weights if combine.weights is not None else NoMatch(UNSCALED_OUTPUTS, values)
+    if combine.weights is None and is_call(values, aten.mul.Tensor):
+        for side, other in (values.args, values.args[::-1]):
+            if isinstance(side, Node) and isinstance(other, Node) and _batched_linear(side) == down:
+                read = algebra.slot_values(other)
+                if read is not None and (read[1].domain, read[1].slot) == (combine.domain, combine.slot):
+                    return read[0]
+                return NoMatch("routing weights are not permuted like the rows", other)
+    return NoMatch("the expert outputs are not added back to their tokens with their slot's weight", values)
+
+
+# The k-slot sum that ends the region anchors it; rows in another order end in their combine.
 FINDER = Finder(
-    FORM, (aten.sum.dim_IntList,), each_anchor(_near_bmm_of_gathered_weights), match_at, priority=20
+    FORM,
+    (aten.sum.dim_IntList, aten.index_add.default, aten.scatter_add.default, aten.index_put.default),
+    each_anchor(_near_bmm_of_gathered_weights),
+    match_at,
+    priority=20,
 )

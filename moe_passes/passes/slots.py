@@ -183,6 +183,8 @@ class SlotAlgebra:
             return self._selected_tokens(args)
         if is_call(node, aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.index_copy.default):
             return self._inverse_by_scatter(node, args)
+        if is_call(node, aten.expand.default, aten.repeat_interleave.self_int):
+            return self._token_of_each_slot(node)
         gathered = gather_parts(node)
         if gathered is not None:
             source, by = self.index(gathered[0]), self.index(gathered[1])
@@ -235,6 +237,24 @@ class SlotAlgebra:
         if not same_size(identity.size, self.slot_count()):
             return None  # a shorter arange would broadcast: not the inverse
         return self._inverse(by, {"input": index})
+
+    def _token_of_each_slot(self, node: Node) -> IndexMap | None:
+        """arange(T)[:, None].expand(T, k) or arange(T).repeat_interleave(k): at slot t * k + j, token t."""
+        tokens = shape(self.ids)[0]
+        if is_call(node, aten.repeat_interleave.self_int):
+            column, repeats = node.args[0], const_int(node.args[1])
+            if repeats != self.top_k or len(node.args) > 2 and node.args[2] not in (None, 0):
+                return None
+        else:
+            dims, column = shape(node), node.args[0]
+            if not dims or len(dims) != 2 or const_int(dims[1]) != self.top_k or const_int((shape(column) or (0, 0))[-1]) != 1:
+                return None
+            while is_call(column, aten.unsqueeze.default, aten.view.default, aten.reshape.default):
+                column = column.args[0]
+        source = self.index(column)
+        if isinstance(source, Identity) and len(shape(column) or ()) == 1 and same_size(source.size, tokens):
+            return IndexMap(SLOTS, (Step("token"),))
+        return None
 
     def _token_of(self, node: Node, args: dict) -> IndexMap | None:
         """m // k, for m a map into the slots: the token of each slot."""
