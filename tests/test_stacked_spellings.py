@@ -261,3 +261,42 @@ def test_rows_whose_weights_or_scales_follow_another_order_are_declined(spelling
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and reason in str(report), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class MaskedSoftmaxLoop(nn.Module):
+    """Every expert on every token, weighted by a softmax over logits masked to -inf: below the k-th
+    largest (`top_k_masked`, OLMoE-like routing written without topk's ids), or at padded positions
+    (an attention-style mask: still a dense mixture)."""
+
+    def __init__(self, top_k_masked: bool):
+        super().__init__()
+        self.top_k_masked = top_k_masked
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1, self.w3, self.w2 = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        if self.top_k_masked:
+            masked = logits.masked_fill(logits < torch.topk(logits, K, dim=-1).values[:, -1:], float("-inf"))
+        else:
+            masked = logits.masked_fill(x[:, :E] == 0, float("-inf"))
+        gates = torch.softmax(masked, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            out = out + gates[:, e, None] * ((F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e])
+        return out
+
+
+@pytest.mark.parametrize(("top_k_masked", "reason"), [
+    (True, "masked by a selection"),
+    (False, "dense mixture of experts"),
+])
+def test_a_softmax_over_logits_masked_below_the_kth_is_declined_for_its_ties(top_k_masked, reason):
+    """Masking below the k-th largest logit is top-k routing except at ties, where it keeps more than k
+    experts: declined with that reason, not as a dense mixture "with no top-k selection"."""
+    torch.manual_seed(0)
+    model = MaskedSoftmaxLoop(top_k_masked).eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and reason in str(report), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

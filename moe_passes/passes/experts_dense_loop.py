@@ -20,7 +20,7 @@ from ..fx_utils import backward_slice, is_call, strip_casts
 from .expert_terms import ExpertTerm, is_zero_init, match_terms, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
-from .mixtures import dense_gate, dense_reason, over_experts
+from .mixtures import dense_gate, dense_reason, masked_reason, masked_selection, over_experts
 
 aten = torch.ops.aten
 
@@ -101,7 +101,9 @@ def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
     root, members, terms = accumulation.root, accumulation.members, accumulation.terms
     result = match_terms(root, members, FORM)
     if isinstance(result, Decline) and _densely_gated(members):
-        return Decline(FORM, dense_reason(len(members), soft=False), root, result.stopped_at)
+        masked = masked_selection(dense_gate(members[0].coefficient, members[0].term))
+        reason = masked_reason(len(members)) if masked is not None else dense_reason(len(members), soft=False)
+        return Decline(FORM, reason, root, masked if masked is not None else result.stopped_at)
     if isinstance(result, ExpertsMatch) or not is_call(root, aten.add.Tensor):
         return result
     inner, last = root.args[0], root.args[1]

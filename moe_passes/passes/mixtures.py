@@ -100,6 +100,33 @@ def dense_gate(weights: Node, combine: Node) -> Node | None:
     return None
 
 
+RANKINGS = (aten.topk, aten.sort, aten.argsort, aten.kthvalue)
+MASKINGS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
+            aten.where.ScalarSelf, aten.where.Scalar)
+
+
+def masked_selection(gate: Node | None) -> Node | None:
+    """The selection (a top-k, sort or comparison) behind a mask on the softmax's input, as in
+    `softmax(logits.masked_fill(logits < topk(logits).values[:, -1:], -inf))`, else None."""
+    if gate is None:
+        return None
+    for node in ancestors(gate.args[0], limit=COMBINE_DEPTH):
+        if is_call(node, *MASKINGS):
+            found = next((n for n in ancestors(node, limit=COMBINE_DEPTH) if is_call(n, *RANKINGS)), None)
+            if found is not None:  # a mask by rank (not a padding mask: that selects no expert)
+                return found
+    return None
+
+
+def masked_reason(num_experts: int) -> str:
+    return (
+        f"the {num_experts} experts run on every token, weighted by a softmax over logits masked by a "
+        "selection (kept at or above the k-th largest): that is top-k routing only where no logits tie at "
+        "the k-th value (a tie keeps more than k experts), and the fused kernel keeps exactly k; routing "
+        "with topk's ids and weights is fused"
+    )
+
+
 def dense_reason(num_experts: int, soft: bool) -> str:
     if soft:
         return (
