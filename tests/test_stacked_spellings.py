@@ -300,3 +300,34 @@ def test_a_softmax_over_logits_masked_below_the_kth_is_declined_for_its_ties(top
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and reason in str(report), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class BiasedDenseExperts(nn.Module):
+    """Every expert on every token with biased projections (`torch.baddbmm`, or `bmm(...) + b[:, None]`),
+    combined by a [T, E] table: the kernel's plain overload has no biases."""
+
+    def __init__(self, baddbmm: bool):
+        super().__init__()
+        self.baddbmm = baddbmm
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1, self.w3, self.w2 = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+        self.b2 = _param(E, H)
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        table = torch.zeros_like(self.gate(x)).scatter(-1, ids, w)
+        xe = x.unsqueeze(0).expand(E, *x.shape)
+        h = F.silu(torch.bmm(xe, self.w1)) * torch.bmm(xe, self.w3)
+        y = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2) if self.baddbmm else torch.bmm(h, self.w2) + self.b2[:, None]
+        return (y * table.t().unsqueeze(-1)).sum(0)
+
+
+@pytest.mark.parametrize("baddbmm", [True, False], ids=["baddbmm", "bmm_plus_bias"])
+def test_dense_experts_with_biases_are_declined_for_them(baddbmm):
+    """They were no candidate at all; the report now names the biases."""
+    torch.manual_seed(0)
+    model = BiasedDenseExperts(baddbmm).eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and "expert biases" in str(report), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

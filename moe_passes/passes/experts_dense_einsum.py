@@ -30,6 +30,7 @@ from .axes import VIEW_OPS, contraction, frontier, top_of_views
 from .combines import picked_outputs, table_labels
 from .finder import Finder, each_anchor
 from .matches import (
+    BIASES_NEED_SWIGLU,
     EMPTY_BATCH,
     GATE_UP_ROWS_DIFFER,
     IDS_WEIGHTS_SHAPES,
@@ -61,6 +62,7 @@ class _Combine:
     down: Node  # W_down, [E, ., .]
     table: tuple[Node, Node, tuple] | None = None
     picked: tuple[Node, Node, Node, tuple] | None = None
+    biased: Node | None = None  # the down projection adds a per-expert bias (baddbmm, or + b[:, None])
 
 
 def _experts_and_down(y: Node) -> tuple[Node, Node] | None:
@@ -79,6 +81,11 @@ def _read_combine(out: Node) -> _Combine | None:
                       or picked_outputs(n) is not None, products=True)
     if leaves is None:
         return None
+    if len(leaves) == 2:  # a biased down projection is no einsum: it ends the chain as a leaf
+        table = next((leaf for leaf in leaves if table_labels(leaf) is not None), None)
+        biased = next((leaf for leaf in leaves if leaf is not table and _biased_down(leaf) is not None), None)
+        if table is not None and biased is not None:
+            return _Combine(*_biased_down(biased), table=(table, *table_labels(table)), biased=biased)
     if len(leaves) == 3:
         product = next((leaf for leaf in leaves if _experts_product(leaf)), None)
         rest = [leaf for leaf in leaves if leaf is not product]
@@ -98,6 +105,20 @@ def _read_combine(out: Node) -> _Combine | None:
     weights = leaves[1] if leaves[0] is picks[0] else leaves[0]
     experts = _experts_and_down(y) if _shaped_like(weights, ids) else None
     return _Combine(*experts, picked=(ids, weights, picks[0], labels)) if experts is not None else None
+
+
+def _biased_down(node: Node) -> tuple[Node, Node] | None:
+    """(gated product, down weights) when `node` is baddbmm(bias, product, W_down), or the experts'
+    down einsum plus a bias."""
+    if is_call(node, aten.baddbmm.default):
+        product, weight = _below_views(node.args[1]), node.args[2]
+        if _experts_product(product) and len(shape(weight) or ()) == 3:
+            return product, weight
+    if is_call(node, aten.add.Tensor):
+        for y, bias in (node.args, node.args[::-1]):
+            if isinstance(y, Node) and isinstance(bias, Node) and (found := _experts_and_down(y)) is not None:
+                return found
+    return None
 
 
 def _shaped_like(node: Node, ids: Node) -> bool:
@@ -272,6 +293,8 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
 
     if experts is None or (table is not None and not same_size(shape(table)[1], experts)):
         return None  # not a sum over the experts of their outputs
+    if combine.biased is not None:
+        return no(BIASES_NEED_SWIGLU, combine.biased)
     read = _down_read(combine, out, sizes)
     if read is None:
         if table is None:
