@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import assert_close_for_dtype, backward_like_eager, eager_output, run_hpu_moe
+from tests.helpers import assert_close_for_dtype, backward_like_eager, eager_output, run_hpu_moe, torch_release
 
 E, K, H, INTER = 4, 2, 8, 16
 
@@ -70,6 +70,12 @@ def test_sorted_slices_whose_output_size_is_a_count_of_rows_are_fused():
     graph ran unrewritten)."""
     torch.manual_seed(0)
     model = SortedSlicesOutMajor().eval()
+    if torch_release() < (2, 10):  # torch 2.9's make_fx loses the count's unbacked symbol at its assert
+        inputs = (torch.randn(7, H),)
+        report, output, _ = run_hpu_moe(model, inputs)
+        assert "canonical trace cannot follow `aten::_assert_scalar`" in str(report), str(report)
+        assert_close_for_dtype(output, eager_output(model, inputs))
+        return
     for tokens in (7, 3):
         _fused_and_equal(model, tokens, "segments")
 
