@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import assert_close_for_dtype, backward_like_eager, eager_output, run_hpu_moe, torch_release
+from tests.helpers import (
+    assert_close_for_dtype,
+    backward_like_eager,
+    eager_output,
+    run_hpu_moe,
+    torch_release,
+)
 
 E, K, H, INTER = 4, 2, 8, 16
 
