@@ -17,7 +17,7 @@ import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .fx_utils import source_line
@@ -78,9 +78,33 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
         _restore_functorch_depth(depth)
         raise
     layout.restore_placeholders(traced.graph, args)
+    _drop_whole_slices(traced.graph)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+_TO_THE_END = 2**63 - 1  # the end a slice written without one gets
+
+
+def _drop_whole_slices(graph: torch.fx.Graph) -> None:
+    """Read `x[:, None]` as `x.unsqueeze(1)` under dynamic shapes: there, `:` reaches the graph as
+    `slice(x, 0, 0, 2**63 - 1)`, a view of every element in order, which the finders would have to see
+    through one by one. A slice from 0 with step 1 to an end known to be past the size is `x` itself
+    (the graph is functional: nothing writes through the view)."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor):
+        if node.kwargs:
+            continue
+        source, dim, start, end, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1:])
+        if isinstance(end, torch.fx.Node):
+            end = end.meta.get("val")
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or start not in (0, None) or step != 1:
+            continue
+        size = value.shape[dim]
+        if end is None or (isinstance(end, int) and end == _TO_THE_END) or (
+                isinstance(end, int | torch.SymInt) and statically_known_true(end >= size)):
+            node.replace_all_uses_with(source)
 
 
 @contextlib.contextmanager

@@ -247,7 +247,7 @@ class RowsGatheredWeights(nn.Module):
             y = torch.empty_like(ys).index_copy_(0, order, ys)
             return (y.view(tokens, K, H) * w[..., None]).sum(1)
         scale = w.reshape(-1) if self.spelling == "unsorted_weights" else w.reshape(-1)[order]
-        return out.scatter_add_(0, token.unsqueeze(-1).expand(-1, H), ys * scale.unsqueeze(-1))
+        return out.scatter_add_(0, token[:, None].expand(-1, H), ys * scale.unsqueeze(-1))
 
 
 def test_rows_multiplied_by_weights_gathered_at_their_own_ids_are_fused_in_any_order():
@@ -343,3 +343,72 @@ def test_dense_experts_with_biases_are_declined_for_them(baddbmm):
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and "expert biases" in str(report), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class NearMisses(nn.Module):
+    """Layers that compute something else than the kernel, in spellings next to fused ones (an
+    adversarial review of the changes above): each must run as written."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w_gate, self.w_up, self.w_down = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+
+    def forward(self, x):
+        tokens = x.shape[0]
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(probs, K, dim=-1)
+        flat = ids.reshape(-1)
+        if self.case == "product_of_sums":  # (sum_a y) * (sum_a w): no sum of products
+            g = torch.einsum("th,tkhi->tki", x, self.w_gate[ids])
+            y = torch.einsum("tki,tkih->tkh", F.silu(g) * torch.einsum("th,tkhi->tki", x, self.w_up[ids]), self.w_down[ids])
+            return y.sum(1) * w.sum(1, keepdim=True)
+        if self.case == "untransposed_table":  # transpose(0, 0) is no transpose (T == E below)
+            table = torch.zeros_like(probs).scatter(1, ids, w)
+            g = torch.einsum("th,ehi->eti", x, self.w_gate)
+            y = torch.einsum("eti,eih->eth", F.silu(g) * torch.einsum("th,ehi->eti", x, self.w_up), self.w_down)
+            return (y * table.transpose(0, 0)[..., None]).sum(0)
+        order = flat.argsort()
+        token = order // K
+        rows = x[token]  # the sorted ids written at each use: equal nodes, one value
+        h = F.silu(torch.einsum("nh,nhi->ni", rows, self.w_gate[flat[order]]))
+        ys = torch.einsum("ni,nih->nh", h * torch.einsum("nh,nhi->ni", x[token], self.w_up[flat[order]]), self.w_down[flat[order]])
+        ys = ys * w.reshape(-1)[order].unsqueeze(-1)
+        if self.case == "narrow_scatter":  # an index one column wide adds only column 0 of each row
+            return torch.zeros_like(x).scatter_add_(0, token[:, None], ys)
+        return torch.zeros(tokens + 1, H).index_add_(0, token, ys)  # "longer_buffer": one more row than tokens
+
+
+def test_near_misses_are_read_far_enough_to_be_near():
+    """The near misses below the combine are read up to it: the rows and ids written at each use are
+    one value each (their decline names the combine, not a difference of ids)."""
+    torch.manual_seed(0)
+    for case in ("narrow_scatter", "longer_buffer"):
+        report, _, _ = run_hpu_moe(NearMisses(case).eval(), (torch.randn(7, H),))
+        assert "choose each row's expert differently" not in str(report), str(report)
+
+
+@pytest.mark.parametrize("case", ["product_of_sums", "untransposed_table", "narrow_scatter", "longer_buffer"])
+def test_near_misses_of_the_new_spellings_run_as_written(case):
+    torch.manual_seed(0)
+    model = NearMisses(case).eval()
+    inputs = (torch.randn(E, H),)  # T == E: the table's two orders have one shape
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and not report.fallbacks, str(report)
+    torch.testing.assert_close(output, eager_output(model, inputs))
+
+
+def test_rows_gathered_weights_are_fused_with_dynamic_shapes():
+    """Under dynamic shapes `i[:, None]` reaches the graph as a slice over every element, then the
+    unsqueeze; canonicalization reads the whole slice as the tensor itself."""
+    from moe_passes.explain import explaining
+
+    torch.manual_seed(0)
+    model = RowsGatheredWeights("sorted").eval()
+    with explaining({"inner": "eager", "target": "portable"}) as session, torch.no_grad():
+        compiled = session.compile(model, dynamic=True)
+        for tokens in (7, 5, 3):
+            x = torch.randn(tokens, H)
+            assert_close_for_dtype(compiled(x), model(x))
+    assert [f.form for f in session.report.fused] == ["batched_mm"], str(session.report)

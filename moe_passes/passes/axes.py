@@ -133,12 +133,23 @@ def _elementwise(left: Contraction | None, right: Contraction | None) -> Contrac
     """a * b of equal rank, each axis equal or broadcast (no labels): nothing summed."""
     if left is None or right is None or left.leaves & right.leaves or len(left.axes) != len(right.axes):
         return None
+    if _summed_apart(left, right):
+        return None
     axes = []
     for a, b in zip(left.axes, right.axes, strict=True):
         if a and b and a != b:
             return None
         axes.append(a or b)
     return Contraction(tuple(axes), left.summed | right.summed, left.leaves | right.leaves)
+
+
+def _summed_apart(left: Contraction, right: Contraction) -> bool:
+    """A label one operand already summed is one the other also carries: (sum_a y) * (sum_a w) is not
+    sum_a y * w, so the product is no single einsum."""
+    def labels(c: Contraction) -> set:
+        return {label for axis in c.axes for label in (axis or ())} | set(c.summed)
+
+    return bool(left.summed & labels(right) or right.summed & labels(left))
 
 
 def _permuted(node: Node, axes: Axes) -> Axes:
@@ -155,7 +166,7 @@ def _permuted(node: Node, axes: Axes) -> Axes:
 
 def _product(left: Contraction | None, right: Contraction | None, batched: bool) -> Contraction | None:
     """bmm([b, m, n], [b, n, p]) or mm([m, n], [n, p]): n summed, b shared, m and p kept."""
-    if left is None or right is None or left.leaves & right.leaves:
+    if left is None or right is None or left.leaves & right.leaves or _summed_apart(left, right):
         return None
     lead = 1 if batched else 0
     if batched and left.axes[0] != right.axes[0]:

@@ -9,7 +9,7 @@ from torch.fx import Node
 
 from ..fx_utils import arguments, is_call, is_cast, shape, val
 from . import probe
-from .slots import same_size
+from .slots import same_size, transposes_2d
 
 aten = torch.ops.aten
 
@@ -32,8 +32,7 @@ def table_labels(node: Node) -> tuple[Node, tuple] | None:
         if is_call(node, aten.unsqueeze.default):
             inserted.append(node.args[1] % len(shape(node)))
         node = node.args[0]
-    if len(shape(node) or ()) == 2 and (is_call(node, aten.t.default) or is_call(node, aten.transpose.int) or (
-            is_call(node, aten.permute.default) and [d % 2 for d in node.args[1]] == [1, 0])):
+    if transposes_2d(node):
         node, transposed = node.args[0], True
         while is_cast(node):
             node = node.args[0]

@@ -1,4 +1,4 @@
-"""Batched-GEMM experts: transformers 5.x `batched_mm_experts_forward`.
+"""Batched-GEMM experts: transformers 5.x `batched_mm_experts_forward`, and per-row gathered weights in any row order the index algebra reads.
 
     xs = x.repeat_interleave(k);  W = W_gate_up[ids.view(-1)]          (a gathered copy per slot)
     h = bmm(W, xs[..., None]) -> act(gate half) * up half
@@ -49,7 +49,8 @@ def _gathered(node: Node) -> tuple[Node, Node, bool] | None:
     """(stacked weight, flat ids, transposed) when node = W[ids_flat], or W[ids_flat].transpose(1, 2)
     (weights kept [E, out, in], nn.Linear's layout, and multiplied as [in, out])."""
     node = _in_order(strip_casts(node))
-    transposed = is_call(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]
+    transposed = is_call(node, aten.transpose.int) and len(shape(node) or ()) == 3 and (
+        sorted(d % 3 for d in node.args[1:3]) == [1, 2])
     if transposed:
         node = _in_order(strip_casts(node.args[0]))
     if is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and len(shape(node.args[0])) == 3:
@@ -233,6 +234,9 @@ def _match_routed_rows(out: Node) -> ExpertsMatch | Decline | None:
         return no("a row's expert weights are not gathered by the id of the slot the row holds", down.chosen_by)
     if (combine.domain, combine.slot) != (rows.domain, rows.slot):
         return no("the expert outputs are not brought back to the tokens their rows were read from", combine.output)
+    if not all(map(same_size, shape(combine.output) or (), shape(rows.hidden) or ())) or (
+            len(shape(combine.output) or ()) != len(shape(rows.hidden) or ())):
+        return no("the expert outputs are added into a buffer of another shape than the tokens'", combine.output)
     weights = _row_weights(combine, down, algebra)
     if isinstance(weights, NoMatch):
         return weights.decline(FORM, out)

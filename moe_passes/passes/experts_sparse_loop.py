@@ -47,6 +47,7 @@ from ..fx_utils import (
 from .expert_terms import ExpertTerm, is_zero_init, match_terms, no_mlp_reason, read_term
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
+from .mlp import same_value
 from .slots import repeat_interleaved
 
 aten = torch.ops.aten
@@ -274,15 +275,15 @@ def _gather_source(rows_value: Node, index: Node) -> Node | None:
     rows), or x[B][M] where `index` is B[M]: TensorRT-LLM gathers every routed row once, then each
     expert's at its mask, and (x[B])[M] is x[B[M]] for any one index M along dim 0, boolean or integer."""
     node = strip_shape_ops(rows_value)
-    if is_call(node, aten.index_select.default) and node.args[1] == 0 and _same_value(node.args[2], index):
+    if is_call(node, aten.index_select.default) and node.args[1] == 0 and same_value(node.args[2], index):
         return node.args[0]  # `torch.index_select(x, 0, index)`: x[index]
     if not is_call(node, aten.index.Tensor):
         return None
     base, indices = node.args[0], list(node.args[1])
-    if len(indices) == 1 and _same_value(indices[0], index):  # `rows[e]` written twice is two equal nodes
+    if len(indices) == 1 and same_value(indices[0], index):  # `rows[e]` written twice is two equal nodes
         return base
     if (len(indices) == 1 and is_call(index, aten.index.Tensor) and len(index.args[1]) == 1
-            and _same_value(indices[0], index.args[1][0])):
+            and same_value(indices[0], index.args[1][0])):
         inner = strip_shape_ops(base)
         if is_call(inner, aten.index.Tensor) and list(inner.args[1]) == [index.args[0]]:
             return inner.args[0]
@@ -387,10 +388,10 @@ def _match_slot_stores(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
             return no(no_mlp_reason(source, reason) if term is None and isinstance(source, Node) else reason, source)
         gathered = strip_shape_ops(term.hidden)
         rows = None
-        if is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1 and _same_value(
+        if is_call(gathered, aten.index.Tensor) and len(gathered.args[1]) == 1 and same_value(
                 gathered.args[1][0], index):  # `y[m] = MLP(rows[m])` spells m twice: two equal nodes
             rows = gathered.args[0]
-        if rows is None or (repeated is not None and not _same_value(rows, repeated)):
+        if rows is None or (repeated is not None and not same_value(rows, repeated)):
             return no("an expert's input rows are not the buffer's rows at the slots it stores", term.hidden)
         repeated = rows
         terms.append(term)
@@ -407,23 +408,6 @@ def _match_slot_stores(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
                                  coefficient=weights, slots_per_token=top_k)
              for t, link in zip(terms, links, strict=True)]
     return match_terms(root, terms, FORM)
-
-
-def _same_value(a: object, b: object, depth: int = 4) -> bool:
-    """`a` and `b` are one node, or the same op of the same arguments (the graph is functional: equal
-    calls give equal values), compared `depth` levels up."""
-    if a is b:
-        return True
-    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
-        return False
-    if a.op != "call_function" or b.op != "call_function" or a.target is not b.target or a.kwargs != b.kwargs:
-        return False
-    if len(a.args) != len(b.args):
-        return False
-    return all(
-        _same_value(x, y, depth - 1) if isinstance(x, Node) or isinstance(y, Node) else x == y
-        for x, y in zip(a.args, b.args, strict=True)
-    )
 
 
 def _scaled_after(out: Node) -> tuple[Node, Node] | None:

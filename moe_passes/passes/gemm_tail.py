@@ -16,7 +16,7 @@ from torch.fx import Node
 
 from ..fx_utils import const_int, shape, strip_shape_ops
 from .matches import BIASES_NEED_SWIGLU, GATE_UP_ROWS_DIFFER, STACK_COUNTS_DIFFER, ExpertWeights, NoMatch
-from .mlp import StackedGate, stacked_gate
+from .mlp import StackedGate, same_value, stacked_gate
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,11 @@ def read_gated_tail(
         linear = read(output)
         if linear is None:
             return NoMatch(f"gate/up is not {kind}", output)
-        if strip_shape_ops(linear.chosen_by) is not strip_shape_ops(down.chosen_by):
+        if not same_value(strip_shape_ops(linear.chosen_by), strip_shape_ops(down.chosen_by)):
             return NoMatch("gate/up and down choose each row's expert differently (other group offsets or ids)", output)
         projections[name] = linear
-    if len({p.rows for p in projections.values()}) != 1:
+    first_rows = next(iter(projections.values())).rows  # one tensor of rows, if written twice
+    if not all(same_value(p.rows, first_rows) for p in projections.values()):
         return NoMatch(GATE_UP_ROWS_DIFFER, outputs["up"])
     if any(p.bias is not None for p in projections.values()) and gate.swiglu is None:
         return NoMatch(BIASES_NEED_SWIGLU, next(iter(outputs.values())))

@@ -565,10 +565,10 @@ def _transposed_table(node: object) -> Node | None:
     node = uncast(node)
     while is_call(node, aten.clone.default, aten.contiguous.default):
         node = uncast(node.args[0])
-    return uncast(node.args[0]) if isinstance(node, Node) and _transposes_2d(node) else None
+    return uncast(node.args[0]) if isinstance(node, Node) and transposes_2d(node) else None
 
 
-def _transposes_2d(node: Node) -> bool:
+def transposes_2d(node: Node) -> bool:
     """A swap of the two dims of a 2-D tensor: t, transpose(0, 1), permute([1, 0])."""
     if len(shape(node) or ()) != 2:
         return False
@@ -603,14 +603,18 @@ def gather_parts(node: Node) -> tuple[Node, Node] | None:
     if is_call(node, aten.take.default) and len(shape(args["input"]) or ()) == 1:
         return args["input"], args["index"]
     if is_call(node, aten.gather.default) and args["dim"] == 0:
-        row_index = row_broadcast(args["index"])
+        row_index = row_broadcast(args["index"], (shape(args["input"]) or (None, None))[-1])
         if row_index is not None:
             return args["input"], row_index
     return None
 
 
-def row_broadcast(index: Node) -> Node | None:
-    """i when `index` is i[:, None] expanded across the row ([N, H]): each row gathers one whole row."""
+def row_broadcast(index: Node, width: object = None) -> Node | None:
+    """i when `index` is i[:, None] expanded across the row ([N, H]) and H is `width`, the rows' width:
+    each row gathers or scatters one whole row (a narrower index moves only its first columns)."""
+    dims = shape(index)
+    if dims is None or len(dims) != 2 or not same_size(dims[1], width):
+        return None
     node = index
     if is_call(node, aten.expand.default):
         node = node.args[0]
@@ -815,12 +819,15 @@ class SlotCombines:
             values, index = args["source"], args["index"]
         elif is_call(node, aten.index_add.default) and accumulate and args["dim"] == 0 and args.get("alpha", 1) == 1:
             values, index = args["source"], args["index"]
-        elif is_call(node, aten.scatter.src) and not accumulate and args["dim"] == 0:
-            values, index = args["src"], row_broadcast(args["index"])
-        elif is_call(node, aten.scatter_add.default) and accumulate and args["dim"] == 0:
-            values, index = args["src"], row_broadcast(args["index"])
+        elif is_call(node, aten.scatter.src, aten.scatter_add.default) and (
+                accumulate == is_call(node, aten.scatter_add.default)) and args["dim"] == 0:
+            width = (shape(base) or (None, None))[-1]  # whole rows of the buffer, from whole rows of src
+            full = _same_shape(shape(args["index"]), shape(args["src"]))
+            values, index = args["src"], row_broadcast(args["index"], width) if full else None
         else:
             return None
+        if not _same_shape((shape(values) or ())[1:], (shape(base) or ())[1:]):
+            return None  # values broadcast across the rows, or only part of them: no row-for-row move
         by = self.algebra.index(index)
         # Where the sort order is cut to the routed slots, the others keep the buffer's values: zeros.
         if not (_zeros(base) if accumulate or self.algebra.routed_below is not None else _fresh(base)):
