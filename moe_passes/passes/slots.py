@@ -727,6 +727,15 @@ def _same_shape(a: object, b: object) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
 
+def _row_for_row(values: object, index: object, base: object) -> bool:
+    """`values` holds one whole row of `base` per entry of `index`: [N, *row], or one row where N is 1
+    (index_put broadcasts it; with more entries it would copy that row to each)."""
+    rows, row, count = shape(values), (shape(base) or ())[1:], (shape(index) or (None,))[0]
+    if rows is None or not row:
+        return False
+    return _same_shape(rows[1:], row) or (same_size(count, 1) and _same_shape(rows, row))
+
+
 def _flat_view_source(node: Node, top_k: int) -> Node | None:
     """v when node is v viewed as [T, k, H] (a row-major view of [T * k, H] rows)."""
     dims = shape(node)
@@ -826,7 +835,7 @@ class SlotCombines:
             values, index = args["src"], row_broadcast(args["index"], width) if full else None
         else:
             return None
-        if not _same_shape((shape(values) or ())[1:], (shape(base) or ())[1:]):
+        if not _row_for_row(values, index, base):
             return None  # values broadcast across the rows, or only part of them: no row-for-row move
         by = self.algebra.index(index)
         # Where the sort order is cut to the routed slots, the others keep the buffer's values: zeros.
