@@ -412,3 +412,33 @@ def test_rows_gathered_weights_are_fused_with_dynamic_shapes():
             x = torch.randn(tokens, H)
             assert_close_for_dtype(compiled(x), model(x))
     assert [f.form for f in session.report.fused] == ["batched_mm"], str(session.report)
+
+
+class BatchedCapacityExperts(nn.Module):
+    """GShard-style top-1 dispatch with capacity T (nothing dropped), the experts batched matmuls over
+    the [E, C, H] slots."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1, self.w3, self.w2 = _param(E, H, INTER), _param(E, H, INTER), _param(E, INTER, H)
+
+    def forward(self, x):
+        gates = F.softmax(self.gate(x), dim=1)
+        mask = F.one_hot(gates.argmax(dim=1), E)
+        slot = F.one_hot(((mask.cumsum(0) - 1) * mask).sum(1), x.shape[0]).to(x.dtype)
+        combine = torch.einsum("se,sc->sec", gates * mask, slot)
+        dispatched = torch.einsum("sec,sm->ecm", combine.bool().to(x.dtype), x)
+        y = torch.bmm(F.silu(torch.bmm(dispatched, self.w1)) * torch.bmm(dispatched, self.w3), self.w2)
+        return torch.einsum("sec,ecm->sm", combine, y)
+
+
+def test_capacity_dispatch_to_batched_experts_is_declined_for_the_batching():
+    """It was declined with "the experts' outputs are not joined along the expert dim", which names no
+    construct of the layer."""
+    torch.manual_seed(0)
+    model = BatchedCapacityExperts().eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and "batched matmuls over all their slots" in str(report), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

@@ -174,6 +174,9 @@ def _expert_terms(outputs: Node) -> list[ExpertTerm] | NoMatch:
     """One unweighted MLP per expert, concatenated in expert order, expert e reading slots [e] of one
     [E, C, M] tensor (`dispatched.chunk(E)`, unbind, select)."""
     joined = strip_shape_ops(outputs)
+    if is_call(joined, aten.bmm.default, aten.baddbmm.default):
+        return NoMatch("the experts run as batched matmuls over all their slots at once (stacked weights); "
+                       "this form reads one MLP per expert on its own slots", joined)
     if not is_call(joined, aten.cat.default, aten.stack.default) or (arguments(joined) or {}).get("dim", 0) != 0:
         return NoMatch("the experts' outputs are not joined along the expert dim", joined)
     terms, source = [], None
