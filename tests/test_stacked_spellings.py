@@ -442,3 +442,29 @@ def test_capacity_dispatch_to_batched_experts_is_declined_for_the_batching():
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and "batched matmuls over all their slots" in str(report), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+@pytest.mark.parametrize(("put_back", "reason"), [
+    ("overwrite", "in a way that does not add each row to its token once"),
+    ("forward", "not brought back to the tokens their rows were read from"),
+])
+def test_sorted_rows_put_back_wrongly_are_declined_with_the_combine_named(put_back, reason):
+    """An overwriting `index_put` (a token's second slot replaces its first) and `ys[order]` where the
+    inverse permutation was meant: declined at the combine, not with the slot-sum reader's reason."""
+    class PutBack(RowsGatheredWeights):
+        def forward(self, x):
+            w, ids = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+            flat = ids.reshape(-1)
+            order = flat.argsort()
+            ys = self._experts(x[order // K], flat[order])
+            if put_back == "overwrite":
+                ys = ys * w.reshape(-1)[order].unsqueeze(-1)
+                return torch.zeros_like(x).index_put_((order // K,), ys)
+            return (ys[order].view(x.shape[0], K, H) * w[..., None]).sum(1)
+
+    torch.manual_seed(0)
+    model = PutBack("sorted").eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert not report.fused and reason in str(report), str(report)
+    assert_close_for_dtype(output, eager_output(model, inputs))

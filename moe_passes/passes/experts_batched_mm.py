@@ -154,10 +154,8 @@ def _read_down(out: Node) -> tuple[int, StackedLinear, Node] | NoMatch:
 def match_at(out: Node) -> ExpertsMatch | Decline:
     read = _read_down(out) if is_call(out, aten.sum.dim_IntList) else NoMatch("no k-slot sum")
     if isinstance(read, NoMatch):  # rows in another order, or another combine: read with the slot algebra
-        routed = _match_routed_rows(out)
-        if isinstance(routed, ExpertsMatch) or not is_call(out, aten.sum.dim_IntList):
-            return routed
-        return read.decline(FORM, out)
+        routed = _match_routed_rows(out)  # its decline read further than the slot sum's, where it has one
+        return routed if routed is not None or not is_call(out, aten.sum.dim_IntList) else read.decline(FORM, out)
     return _match_slot_sum(out, *read)
 
 
@@ -219,6 +217,9 @@ def _match_routed_rows(out: Node) -> ExpertsMatch | Decline | None:
         return no("the experts' weights are not gathered by the routing ids at each row", down.chosen_by)
     ids, algebra = routing
     combine = SlotCombines(algebra).read(out)
+    if combine is None and is_call(out, *_ADDS_BY_ROW):
+        return no(f"the expert outputs are put back with `{out.target}` in a way that does not add each row to "
+                  "its token once (into a buffer that is not zeros, without accumulating, or at other rows)", out)
     if combine is None:
         return None
     tail = read_gated_tail(down, _batched_linear, "a batched matmul of per-row gathered weights", separate=True)
@@ -310,16 +311,20 @@ def _row_weights(combine: Combine, down: StackedLinear, algebra: SlotAlgebra) ->
         for side, other in (values.args, values.args[::-1]):
             if isinstance(side, Node) and isinstance(other, Node) and _batched_linear(side) == down:
                 read = algebra.slot_values(other)
-                if read is not None and (read[1].domain, read[1].slot) == (combine.domain, combine.slot):
+                if read is None:
+                    return NoMatch("the rows are scaled by something else than their slots' routing weights", other)
+                if (read[1].domain, read[1].slot) == (combine.domain, combine.slot):
                     return read[0]
                 return NoMatch("routing weights are not permuted like the rows", other)
     return NoMatch("the expert outputs are not added back to their tokens with their slot's weight", values)
 
 
+_ADDS_BY_ROW = (aten.index_add.default, aten.scatter_add.default, aten.index_put.default)
+
 # The k-slot sum that ends the region anchors it; rows in another order end in their combine.
 FINDER = Finder(
     FORM,
-    (aten.sum.dim_IntList, aten.index_add.default, aten.scatter_add.default, aten.index_put.default),
+    (aten.sum.dim_IntList, *_ADDS_BY_ROW),
     each_anchor(_near_bmm_of_gathered_weights),
     match_at,
     priority=20,
