@@ -193,6 +193,8 @@ class DenseExpertsTable(nn.Module):
         y = torch.einsum("eti,eih->eth", F.silu(g) * u, self.w_down)
         if self.spelling == "einsum":
             return torch.einsum("eth,te->th", y, table)
+        if self.spelling == "transposed_thrice":  # .t().t() is the table again
+            return (y * table.t().t().t()[..., None]).sum(0)
         return (y * table.t()[..., None]).sum(0)
 
 
@@ -201,7 +203,7 @@ def test_dense_experts_weighted_by_a_table_scattered_into_zeros_like_the_scores_
     (it was no candidate). A transposed table (`table.t()[..., None]`) is read as [E, T], also where T
     equals E, where the labels alone cannot tell the two orders apart."""
     torch.manual_seed(0)
-    for spelling in ("einsum", "transposed", "expand"):
+    for spelling in ("einsum", "transposed", "transposed_thrice", "expand"):
         model = DenseExpertsTable(spelling).eval()
         for tokens in (7, E):
             _fused_and_equal(model, tokens, "dense_einsum")

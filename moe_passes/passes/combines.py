@@ -32,8 +32,8 @@ def table_labels(node: Node) -> tuple[Node, tuple] | None:
         if is_call(node, aten.unsqueeze.default):
             inserted.append(node.args[1] % len(shape(node)))
         node = node.args[0]
-    if transposes_2d(node):
-        node, transposed = node.args[0], True
+    while transposes_2d(node):  # `table.t()`, and `.t().t()` back again
+        node, transposed = node.args[0], not transposed
         while is_cast(node):
             node = node.args[0]
     if not routing_table(node):
