@@ -470,3 +470,35 @@ def test_sorted_rows_put_back_wrongly_are_declined_with_the_combine_named(put_ba
     report, output, _ = run_hpu_moe(model, inputs)
     assert not report.fused and reason in str(report), str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class ReturnsItsRoutingTable(nn.Module):
+    """GPT-OSS's MLP (its transformers form): the [T, E] table scattered from the top-k softmax weights
+    both weights the dense experts and is returned beside the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, E)
+        self.gate_up_proj, self.gate_up_proj_bias = _param(E, H, 2 * INTER), _param(E, 2 * INTER)
+        self.down_proj, self.down_proj_bias = _param(E, INTER, H), _param(E, H)
+
+    def forward(self, x):
+        top, ids = torch.topk(self.router(x), K, dim=-1)
+        scores = torch.zeros(x.shape[0], E).scatter_(1, ids, F.softmax(top, dim=1))
+        gate_up = torch.bmm(x.repeat(E, 1).view(E, -1, H), self.gate_up_proj) + self.gate_up_proj_bias[..., None, :]
+        gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(min=-7.0, max=7.0)
+        y = torch.bmm((up + 1) * (gate * torch.sigmoid(gate * 1.702)), self.down_proj) + self.down_proj_bias[..., None, :]
+        return (y * scores.transpose(0, 1)[..., None]).sum(0), scores
+
+
+def test_a_routing_table_the_layer_also_returns_does_not_stop_the_fusion():
+    """The table is routing (made from the ids and weights alone): it stays, computed once, for the
+    caller. It was declined as "an intermediate value of the expert region escapes it"."""
+    torch.manual_seed(0)
+    model = ReturnsItsRoutingTable().eval()
+    inputs = (torch.randn(7, H),)
+    report, output, _ = run_hpu_moe(model, inputs)
+    assert [f.form for f in report.fused] == ["dense_bmm"], str(report)
+    expected = eager_output(model, inputs)
+    assert_close_for_dtype(output[0], expected[0])
+    torch.testing.assert_close(output[1], expected[1])

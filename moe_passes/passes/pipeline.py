@@ -131,9 +131,10 @@ def check(
 
 
 def _on_expert_side(match: ExpertsMatch, region: frozenset[Node]) -> set[Node]:
-    """The region's nodes that compute with the hidden states, the routing weights or the expert weights
-    (the rest is arithmetic on the ids alone)."""
-    side, stack = set(), [match.hidden, match.weights, *match.weight_nodes()]
+    """The region's nodes that compute with the hidden states or the expert weights (the rest is routing:
+    arithmetic on the ids and routing weights alone, such as a [T, E] table scattered from them that the
+    layer also returns, as GPT-OSS's does; it stays, computed once, for its other users)."""
+    side, stack = set(), [match.hidden, *match.weight_nodes()]
     while stack:
         node = stack.pop()
         for user in node.users:
