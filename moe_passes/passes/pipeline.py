@@ -110,7 +110,12 @@ def check(
     # A size read off a region tensor (and the runtime checks on it) is not a use of its values; id
     # arithmetic the weights share (an expert-parallel rank mask) stays, computed once, for its other users.
     computing = _on_expert_side(match, region)
-    escapes = [(a, b) for a, b in escaping_users(region, match.output) if b not in sizes and a in computing]
+    routing = _on_expert_side(match, region, (match.weights,)) - computing
+    # A routing value (made from the ids and weights alone) that the layer also returns as it is, as
+    # GPT-OSS's MLP returns its [T, E] table, stays for the caller, computed once; one that other
+    # arithmetic reads keeps the region as written.
+    escapes = [(a, b) for a, b in escaping_users(region, match.output)
+               if b not in sizes and (a in computing or (a in routing and b.op != "output"))]
     if escapes:
         inside, outside = escapes[0]
         return f"an intermediate value of the expert region escapes it ({inside.name} is also used by {outside.name})"
@@ -130,11 +135,10 @@ def check(
     return None
 
 
-def _on_expert_side(match: ExpertsMatch, region: frozenset[Node]) -> set[Node]:
-    """The region's nodes that compute with the hidden states or the expert weights (the rest is routing:
-    arithmetic on the ids and routing weights alone, such as a [T, E] table scattered from them that the
-    layer also returns, as GPT-OSS's does; it stays, computed once, for its other users)."""
-    side, stack = set(), [match.hidden, *match.weight_nodes()]
+def _on_expert_side(match: ExpertsMatch, region: frozenset[Node], starts: tuple = ()) -> set[Node]:
+    """The region's nodes that compute with the hidden states or the expert weights (with `starts`: with
+    those too, e.g. the routing weights)."""
+    side, stack = set(), [match.hidden, *match.weight_nodes(), *starts]
     while stack:
         node = stack.pop()
         for user in node.users:
