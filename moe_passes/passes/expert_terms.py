@@ -50,7 +50,7 @@ from .mlp import (
     ungated_activation,
     ungated_reason,
 )
-from .slots import same_size
+from .slots import same_shape
 
 aten = torch.ops.aten
 NOT_ONE_IDS_AND_WEIGHTS = NoMatch("the per-expert routing weights do not derive from one ids tensor and one weights tensor")
@@ -645,7 +645,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
     unflattened = {node: shape(node) for node in (ids, weights) if len(shape(node) or ()) > 2}
     ids_shape = _token_rows(ids)
     single = len(ids_shape or ()) == 1  # one id per token (an argmax): top-1
-    if (not at_ids and not _same_shape(ids_shape, _token_rows(weights))) or len(ids_shape or ()) not in (1, 2):
+    if (not at_ids and not same_shape(ids_shape, _token_rows(weights))) or len(ids_shape or ()) not in (1, 2):
         return NoMatch(IDS_WEIGHTS_SHAPES)
     tokens, top_k = int(probe.concrete(ids_shape[0])), 1 if single else int(probe.concrete(ids_shape[1]))
     if tokens == 0:
@@ -712,10 +712,6 @@ def _token_rows(node: Node) -> tuple | None:
     for d in dims[:-1]:
         tokens = tokens * d
     return tokens, dims[-1]
-
-
-def _same_shape(a: tuple | None, b: tuple | None) -> bool:
-    return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
 
 def _read_at_ids(ids: Node, weights: Node, num_terms: int) -> bool:

@@ -35,7 +35,7 @@ from .finder import Finder, each_anchor
 from .gemm_tail import StackedLinear, expert_weights, read_gated_tail, stack_count
 from .matches import IDS_WEIGHTS_SHAPES, UNSCALED_OUTPUTS, Decline, ExpertsMatch, NoMatch
 from .sentinels import through_id_clamp, through_weight_mask
-from .slots import SLOTS, Combine, IndexMap, SlotAlgebra, SlotCombines, Step, compose, same_size
+from .slots import SLOTS, Combine, IndexMap, SlotAlgebra, SlotCombines, Step, compose, same_shape
 
 aten = torch.ops.aten
 FORM = "batched_mm"
@@ -81,15 +81,11 @@ def _in_order(node: Node) -> Node:
             node = source
             continue
         before = shape(node.args[0])
-        if before is None or after is None or not _same_sizes(
+        if before is None or after is None or not same_shape(
                 [d for d in before if const_int(d) != 1], [d for d in after if const_int(d) != 1]):
             return node
         node = node.args[0]
     return node
-
-
-def _same_sizes(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(map(same_size, a, b))
 
 
 def _permutation(node: Node) -> list[int] | None:
@@ -235,8 +231,7 @@ def _match_routed_rows(out: Node) -> ExpertsMatch | Decline | None:
         return no("a row's expert weights are not gathered by the id of the slot the row holds", down.chosen_by)
     if (combine.domain, combine.slot) != (rows.domain, rows.slot):
         return no("the expert outputs are not brought back to the tokens their rows were read from", combine.output)
-    if not all(map(same_size, shape(combine.output) or (), shape(rows.hidden) or ())) or (
-            len(shape(combine.output) or ()) != len(shape(rows.hidden) or ())):
+    if not same_shape(shape(combine.output), shape(rows.hidden)):
         return no("the expert outputs are added into a buffer of another shape than the tokens'", combine.output)
     weights = _row_weights(combine, down, algebra)
     if isinstance(weights, NoMatch):
@@ -259,45 +254,42 @@ def _match_routed_rows(out: Node) -> ExpertsMatch | Decline | None:
     )
 
 
-def _down_under(out: Node, depth: int = 8) -> StackedLinear | None:
-    """The batched down projection nearest under `out` (through its first operands and products)."""
-    frontier, seen = [out], set()
+def _nearest_above(start: Node, read, depth: int = 8):
+    """The first non-None `read(n)` over the nodes `start` is computed from, nearest first (breadth
+    first, `depth` levels up)."""
+    frontier, seen = [start], set()
     for _ in range(depth):
         following = []
         for node in frontier:
             for arg in node.all_input_nodes:
-                if arg in seen:
-                    continue
-                seen.add(arg)
-                found = _batched_linear(arg)
-                if found is not None:
-                    return found
-                following.append(arg)
+                if arg not in seen:
+                    seen.add(arg)
+                    found = read(arg)
+                    if found is not None:
+                        return found
+                    following.append(arg)
         frontier = following
     return None
 
 
-def _routing_ids(chosen_by: Node, depth: int = 8) -> tuple[Node, SlotAlgebra] | None:
+def _down_under(out: Node) -> StackedLinear | None:
+    """The batched down projection nearest under `out` (through its first operands and products)."""
+    return _nearest_above(out, _batched_linear)
+
+
+def _routing_ids(chosen_by: Node) -> tuple[Node, SlotAlgebra] | None:
     """([T, k] ids, their slot algebra) for the ids whose values `chosen_by` holds at each row: the
     nearest 2-D integer tensor above it in whose algebra `chosen_by` reads the ids."""
-    frontier, seen = [chosen_by], set()
-    for _ in range(depth):
-        following = []
-        for node in frontier:
-            for arg in node.all_input_nodes:
-                if arg in seen:
-                    continue
-                seen.add(arg)
-                dims, kind = shape(arg), dtype(arg)
-                if dims is not None and len(dims) == 2 and kind is not None and not kind.is_floating_point and (
-                        kind != torch.bool) and const_int(dims[1]) is not None:
-                    algebra = SlotAlgebra(arg, const_int(dims[1]))
-                    found = algebra.index(chosen_by)
-                    if isinstance(found, IndexMap) and found.steps and found.steps[-1] == Step("expert"):
-                        return arg, algebra
-                following.append(arg)
-        frontier = following
-    return None
+    def ids_read_by_chosen(arg: Node) -> tuple[Node, SlotAlgebra] | None:
+        dims, kind = shape(arg), dtype(arg)
+        if dims is None or len(dims) != 2 or kind is None or kind.is_floating_point or kind == torch.bool or (
+                const_int(dims[1]) is None):
+            return None
+        algebra = SlotAlgebra(arg, const_int(dims[1]))
+        found = algebra.index(chosen_by)
+        return (arg, algebra) if isinstance(found, IndexMap) and found.steps and found.steps[-1] == Step("expert") else None
+
+    return _nearest_above(chosen_by, ids_read_by_chosen)
 
 
 def _row_weights(combine: Combine, down: StackedLinear, algebra: SlotAlgebra) -> Node | NoMatch:

@@ -106,7 +106,7 @@ MASKINGS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, a
 
 
 def masked_selection(gate: Node | None) -> Node | None:
-    """The selection (a top-k, sort or comparison) behind a mask on the softmax's input, as in
+    """The ranking (a top-k, sort or k-th value) behind a mask on the softmax's input, as in
     `softmax(logits.masked_fill(logits < topk(logits).values[:, -1:], -inf))`, else None."""
     if gate is None:
         return None

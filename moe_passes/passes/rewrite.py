@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 
 from .. import lowering, weight_stacks
 from ..fx_utils import Emitter, dtype, shape, val
 from .matches import ExpertsMatch, ExpertWeights, IdsCheck
+from .slots import same_shape
 
 aten = torch.ops.aten
 
@@ -82,13 +82,6 @@ def _weights_at_ids(emit: Emitter, table: Node, ids: Node) -> Node:
     return emit.call(aten.gather.default, (_as_2d(emit, table, width), 1, inside))
 
 
-def _known_same_shape(a: tuple | None, b: tuple | None) -> bool:
-    """Whether two shapes are equal without guarding: a size made from data (a count read on the host,
-    an unbacked symbol) that is not known to equal its twin is taken to differ, and the result reshaped."""
-    return a is not None and b is not None and len(a) == len(b) and all(
-        statically_known_true(x == y) for x, y in zip(a, b, strict=True))
-
-
 def _sizes_for(emit: Emitter, output: Node, hidden: Node) -> list:
     """`output`'s shape as reshape arguments: a symbolic size is never written as a bare SymInt (the
     graph's code could not name it) but as -1 when it is the only one, else read off the hidden states
@@ -151,7 +144,9 @@ def rewrite_experts(graph: Graph, match: ExpertsMatch, target: str) -> Node:
         with fake_mode:
             fused.meta["val"] = op(*map_arg(args, val), **map_arg(kwargs, val))
         result = fused
-        if not _known_same_shape(shape(match.output), shape(fused)):
+        # Compared without guarding: a size made from data (a count read on the host) that is not known
+        # to equal its twin is taken to differ, and the result reshaped.
+        if not same_shape(shape(match.output), shape(fused)):
             result = emit.call(aten.reshape.default, (result, _sizes_for(emit, match.output, match.hidden)))
         result = _cast(emit, result, dtype(match.output))
     match.output.replace_all_uses_with(result)

@@ -500,7 +500,7 @@ class SlotAlgebra:
         width = shape(node)
         if args.get("dim") not in (0, -1) or len(width or ()) != 1 or not _zeros(base) or not _ones(ones):
             return None
-        if args.get("alpha", 1) != 1 or not _same_shape(shape(uncast(ones)), shape(uncast(index))):
+        if args.get("alpha", 1) != 1 or not same_shape(shape(uncast(ones)), shape(uncast(index))):
             return None
         source = self.index(index)
         return const_int(width[0]) if isinstance(source, IndexMap) and source.codomain == EXPERTS else None
@@ -722,7 +722,7 @@ def _ones(node: object) -> bool:
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def _same_shape(a: object, b: object) -> bool:
+def same_shape(a: object, b: object) -> bool:
     """Shapes proved equal dim by dim (never guarding on a data-dependent size)."""
     return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
 
@@ -733,7 +733,7 @@ def _row_for_row(values: object, index: object, base: object) -> bool:
     rows, row, count = shape(values), (shape(base) or ())[1:], (shape(index) or (None,))[0]
     if rows is None or not row:
         return False
-    return _same_shape(rows[1:], row) or (same_size(count, 1) and _same_shape(rows, row))
+    return same_shape(rows[1:], row) or (same_size(count, 1) and same_shape(rows, row))
 
 
 def _flat_view_source(node: Node, top_k: int) -> Node | None:
@@ -769,7 +769,7 @@ class SlotCombines:
         chain = [viewed]  # an in-place mul_ on the [T, k, H] view comes back re-viewed: reshapes that
         while is_call(chain[-1], *_RESHAPES):  # return to the same shape keep every position in place
             chain.append(chain[-1].args[0])
-        viewed = next(n for n in reversed(chain) if _same_shape(shape(n), shape(viewed)))
+        viewed = next(n for n in reversed(chain) if same_shape(shape(n), shape(viewed)))
         if is_call(viewed, aten.mul.Tensor):
             for rows, table in (viewed.args, viewed.args[::-1]):
                 source = self._weight_table(table)
@@ -831,7 +831,7 @@ class SlotCombines:
         elif is_call(node, aten.scatter.src, aten.scatter_add.default) and (
                 accumulate == is_call(node, aten.scatter_add.default)) and args["dim"] == 0:
             width = (shape(base) or (None, None))[-1]  # whole rows of the buffer, from whole rows of src
-            full = _same_shape(shape(args["index"]), shape(args["src"]))
+            full = same_shape(shape(args["index"]), shape(args["src"]))
             values, index = args["src"], row_broadcast(args["index"], width) if full else None
         else:
             return None
