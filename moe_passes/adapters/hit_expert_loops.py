@@ -2042,18 +2042,33 @@ def _outer_cast(expr: ast.AST) -> str | None:
 
 def _boolean_names(fn_def: ast.FunctionDef) -> frozenset[str]:
     """Names every binding of which in `fn_def` is boolean by construction (a comparison, `eq`-like calls,
-    `.bool()`, `.any()`/`.all()`, `~`, `&`/`|` of booleans)."""
+    `.bool()`, `.any()`/`.all()`, `~`, `&`/`|` of booleans), or whose last binding is, where that binding is
+    a statement of the function's own block (every other binding runs before it) and no loop reads the
+    name before it (HF Switch's `router_mask = router_mask.bool()`: every loop sees the booleans)."""
     assigned: dict[str, list[ast.AST]] = {}
+    own_block = {id(st) for st in fn_def.body}
     for name, statements in bindings(fn_def).items():
-        if all(isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-               for st in statements):
+        simple = [isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                  for st in statements]
+        last = max(statements, key=lambda st: st.lineno)
+        if all(simple):
             assigned[name] = [st.value for st in statements]
+        if (len(statements) > 1 and simple[statements.index(last)] and id(last) in own_block
+                and not _read_in_a_loop_before(fn_def, name, last.lineno)):
+            assigned[name] = [last.value]
     found: set[str] = set()
     while True:
         grown = found | {name for name, values in assigned.items() if all(_is_boolean(v, found) for v in values)}
         if grown == found:
             return frozenset(found)
         found = grown
+
+
+def _read_in_a_loop_before(fn_def: ast.FunctionDef, name: str, line: int) -> bool:
+    """Some loop of `fn_def` that starts before `line` reads `name`."""
+    return any(isinstance(loop, ast.For | ast.While | ast.comprehension) and getattr(loop, "lineno", 0) < line
+               and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(loop))
+               for loop in walk_function(fn_def))
 
 
 _BOOLEAN_CALLS = {"eq", "ne", "lt", "le", "gt", "ge", "isin", "logical_and", "logical_or", "logical_not", "any", "all"}

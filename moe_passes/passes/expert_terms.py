@@ -92,6 +92,9 @@ class ExpertTerm:
     # `y[ids.view(-1) == e] = MLP_e(...)` and `(y.view(T, k, H) * w[..., None]).sum(1)`): `rows` picks
     # slots, slot s is token s // k, and the coefficient is the [T, k] table the combine reads at slot s.
     # With rows_write "fills" the buffer held nothing: every slot must be stored by exactly one expert.
+    # "overwrites": stores at token rows into a buffer that already holds values (HF Switch's
+    # `next_states = hidden_states.clone()`): every token's row must be stored by one expert, else it keeps
+    # the value it had, which the kernel does not compute.
     slots_per_token: int | None = None
     # GPT-OSS experts: interleaved gate/up with per-expert biases and the clamped swiglu.
     swiglu: ClampedSwiglu | None = None
@@ -556,20 +559,21 @@ def _stores_overlap(envs_per_term, terms) -> bool:
     for envs in zip(*envs_per_term, strict=True):
         rows = [_row_indices(env[term.rows]) for env, term in zip(envs, terms, strict=True) if term.rows is not None]
         stored = [r for r, term in zip(rows, [t for t in terms if t.rows is not None], strict=True)
-                  if term.rows_write in ("stores", "fills")]
+                  if term.rows_write in ("stores", "fills", "overwrites")]
         if stored and torch.cat(rows).unique().numel() != sum(r.numel() for r in rows):
             return True
     return False
 
 
 def _slots_left_unfilled(envs_per_term, terms, tokens: int) -> bool:
-    """Some slot of a "fills" buffer is stored by no expert under a probe (stores are disjoint already)."""
-    filling = [t for t in terms if t.rows_write == "fills"]
+    """Some slot of a "fills" or "overwrites" buffer is stored by no expert under a probe (stores are
+    disjoint already)."""
+    filling = [t for t in terms if t.rows_write in ("fills", "overwrites")]
     if not filling:
         return False
-    if len(filling) != len(terms) or len({t.slots_per_token for t in filling}) != 1:
+    if len(filling) != len(terms) or len({(t.rows_write, t.slots_per_token) for t in filling}) != 1:
         return True
-    slots = tokens * filling[0].slots_per_token
+    slots = tokens * (filling[0].slots_per_token or 1)
     for envs in zip(*envs_per_term, strict=True):
         written = sum(_row_indices(env[term.rows]).numel() for env, term in zip(envs, terms, strict=True))
         if written != slots:
@@ -583,6 +587,13 @@ def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, ter
     if _stores_overlap(envs_per_term, terms):
         return NoMatch("experts store their outputs (`out[rows] = y`) at rows another expert writes too")
     if _slots_left_unfilled(envs_per_term, terms, tokens):
+        if any(t.rows_write == "overwrites" for t in terms):
+            return NoMatch(
+                "the experts store their outputs into a buffer that already holds values (a copy of the "
+                "hidden states, `x.clone()`), and under a routing some token's row is stored by no expert "
+                "(dropped past an expert's capacity, or routed nowhere): that token keeps the old value, "
+                "which the fused kernel does not compute"
+            )
         return NoMatch(
             "the experts store their outputs into an uninitialised buffer (`empty_like`) and leave some of its "
             "rows unwritten under a routing: those rows hold whatever memory held"
@@ -661,7 +672,7 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
             return NoMatch(NOT_SCATTERED)
         width = int(probe.concrete(shape(table)[1]))
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
-    if any(t.rows_write == "stores" and t.slots_per_token is None for t in terms):  # stores at token rows
+    if any(t.rows_write in ("stores", "overwrites") and t.slots_per_token is None for t in terms):  # token rows
         if top_k > 1:
             return NoMatch(STORES_UNDER_TOP_K)
         probes += probe.crowded_probes(tokens, 1, width, dtype(weights))  # no id in two experts' masks

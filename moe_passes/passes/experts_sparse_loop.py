@@ -224,13 +224,14 @@ def _is_chain_end(node: Node) -> bool:
 
 def _chain(end: Node) -> list[Node] | None:
     """The accumulation steps into `end`, first to last, when the accumulator starts at zero, or when
-    it starts uninitialised (`empty_like`) and every step stores (`_fills`)."""
+    every step stores: into a buffer uninitialised (`empty_like`, `_fills`) or holding values the stores
+    must all replace (`x.clone()`, `_overwrites`)."""
     links = []
     node = end
     while link_parts(node) is not None:
         links.append(node)
         node = link_parts(node)[0]
-    return links[::-1] if is_zero_init(node) or _fills(node, links) else None
+    return links[::-1] if is_zero_init(node) or _fills(node, links) or _overwrites(node, links) else None
 
 
 _UNINITIALISED = (aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default)
@@ -240,6 +241,13 @@ def _fills(base: Node, links: list[Node]) -> bool:
     """Stores at masks into a buffer that holds nothing yet: the experts must write every row (checked
     on the probes, where the rows are the routing's slots)."""
     return is_call(strip_casts(base), *_UNINITIALISED) and all(link_parts(n)[4] == "stores" for n in links)
+
+
+def _overwrites(base: Node, links: list[Node]) -> bool:
+    """Stores at token rows into a buffer that holds values (HF Switch: `next_states = x.clone()`, then
+    `next_states[mask_e] = expert_e(x[mask_e])`): exact where every token's row is stored by one expert,
+    so that no old value survives (checked on the probes, "overwrites")."""
+    return not is_zero_init(base) and all(link_parts(n)[4] == "stores" for n in links)
 
 
 def _slot_combine(end: Node, top_k: int) -> tuple[Node, Node] | None:
@@ -332,6 +340,8 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
             dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index, rows_write=writes)
         )
     base = strip_casts(link_parts(links[0])[0])
+    if _overwrites(link_parts(links[0])[0], links):
+        terms = [dataclasses.replace(t, rows_write="overwrites") for t in terms]
     hidden_shape, out_shape = shape(terms[0].hidden), shape(base)
     if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
         return no("the accumulator is not a [T, H] tensor", base)

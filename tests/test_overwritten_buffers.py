@@ -1,0 +1,98 @@
+"""Experts that store their outputs into a copy of the tokens (HF Switch Transformers 4.x).
+
+    next_states = hidden_states.clone()
+    for e in range(E):
+        next_states[mask[:, e]] = experts[e](hidden_states[mask[:, e]])
+    out = p_max[:, None] * next_states
+
+Every old row is replaced where each token is stored by one expert (top-1, nothing dropped): fused. Where
+a routing leaves a token to no expert (a capacity, a threshold), that token keeps its input, which the
+kernel does not compute: declined, naming the copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers import eager_output, run_hpu_moe
+
+H, INTER, E, T = 16, 24, 4, 12
+
+
+class GatedExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, INTER, bias=False)
+        self.up = nn.Linear(H, INTER, bias=False)
+        self.down = nn.Linear(INTER, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class StoresIntoACopy(nn.Module):
+    """Top-1 by argmax; `capacity` None keeps every token, else tokens past it keep their input."""
+
+    def __init__(self, capacity: int | None = None, top_k: int = 1, start: str = "clone", local: int = E):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(GatedExpert() for _ in range(local))
+        self.capacity, self.top_k, self.start = capacity, top_k, start
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        top, ids = probs.topk(self.top_k, dim=-1)
+        mask = F.one_hot(ids, E).sum(1)
+        if self.capacity is not None:
+            mask = mask * (torch.cumsum(mask, dim=0) <= self.capacity)
+        mask = mask.bool()
+        out = {"clone": x.clone, "ones": lambda: torch.ones_like(x)}[self.start]()
+        for e in range(len(self.experts)):
+            out[mask[:, e]] = self.experts[e](x[mask[:, e]])
+        return out * top.sum(-1, keepdim=True)
+
+
+def _run(model):
+    torch.manual_seed(1)
+    x = torch.randn(T, H)
+    report, output, _ = run_hpu_moe(model, (x,))
+    torch.testing.assert_close(output, eager_output(model, (x,)))
+    return report
+
+
+def test_top1_stores_into_a_copy_of_the_tokens_are_fused():
+    torch.manual_seed(0)
+    report = _run(StoresIntoACopy())
+    assert [f.top_k for f in report.fused] == [1] and not report.declined, str(report)
+
+
+def test_a_buffer_of_other_values_is_fused_too():
+    torch.manual_seed(0)
+    report = _run(StoresIntoACopy(start="ones"))
+    assert [f.top_k for f in report.fused] == [1] and not report.declined, str(report)
+
+
+def test_tokens_past_a_capacity_keep_their_input_and_are_declined():
+    torch.manual_seed(0)
+    report = _run(StoresIntoACopy(capacity=2))
+    assert not report.fused and report.declined, str(report)
+    assert "capacity" in report.declined[0].reason, str(report)
+
+
+def test_tokens_of_experts_outside_the_loop_keep_their_input_and_are_declined():
+    """A range of the experts stores into the copy: the other experts' tokens keep their input (with
+    zeros, that range would be fused as the kernel's experts_min..experts_max)."""
+    torch.manual_seed(0)
+    report = _run(StoresIntoACopy(local=E - 1))
+    assert not report.fused and report.declined, str(report)
+    assert "keeps the old value" in report.declined[0].reason, str(report)
+
+
+@pytest.mark.parametrize("top_k", [2])
+def test_stores_under_top_k_are_declined(top_k):
+    torch.manual_seed(0)
+    report = _run(StoresIntoACopy(top_k=top_k))
+    assert not report.fused and report.declined, str(report)
