@@ -96,6 +96,23 @@ def torch_release() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()))
 
 
+def transformers_major() -> int | None:
+    """The installed transformers' major version, None where it is not installed."""
+    try:
+        from importlib.metadata import version
+
+        return int(version("transformers").split(".")[0])
+    except Exception:  # noqa: BLE001 - not installed, or an unreadable version
+        return None
+
+
+# Tests of the 5.x model classes (`experts_implementation`, the 5.x expert modules); the 4.x families
+# (the transformers of optimum-habana 1.20) are tested in tests/test_transformers4.py.
+requires_transformers_5 = pytest.mark.skipif(
+    (transformers_major() or 0) < 5, reason="tests transformers 5.x model classes (4.x: tests/test_transformers4.py)"
+)
+
+
 def skip_unless_the_dp_context_breaks(broke: bool) -> None:
     """The catalog's vLLM pattern breaks the graph in its DP context (at `.tolist()` from torch 2.11, at
     entering the context on 2.10); torch 2.9's dynamo runs it without a break, so break tests cannot

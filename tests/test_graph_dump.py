@@ -20,7 +20,7 @@ from form_catalog import FORMS, catalog
 from moe_passes.graph_dump import main
 from moe_passes.graph_dump.html import dot_available, graph_to_dot
 from moe_passes.report import REPORT_KEYS, Report
-from tests.helpers import skip_unless_dynamo_slices_for
+from tests.helpers import requires_transformers_5, skip_unless_dynamo_slices_for
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -79,6 +79,7 @@ def test_every_catalog_form_in_every_format(name, capsys, tmp_path):
         )
 
 
+@requires_transformers_5
 @pytest.mark.parametrize(
     ("family", "implementation"), [("mixtral", "grouped_mm"), ("qwen3_moe", "batched_mm")]
 )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_passes import ir
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.helpers import assert_close_for_dtype, eager_output, requires_transformers_5, run_hpu_moe
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,6 +61,7 @@ def test_failed_trace_inside_a_transform_falls_back_and_keeps_the_frame_valid(mo
     assert torch._C._functorch.peek_interpreter_stack() is None
 
 
+@requires_transformers_5
 def test_jamba_with_its_associative_scan_is_fused():
     """Jamba's Mamba mixer runs `associative_scan` (vmap inside) in the same graph as its MoE layers."""
     config = transformers.JambaConfig(

@@ -6,9 +6,10 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe
+from tests.helpers import assert_close_for_dtype, eager_output, requires_transformers_5, run_hpu_moe
 
 transformers = pytest.importorskip("transformers")
+pytestmark = requires_transformers_5
 
 LAYERS = 3
 
