@@ -79,6 +79,7 @@ def to_canonical_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.Grap
         raise
     layout.restore_placeholders(traced.graph, args)
     _drop_whole_slices(traced.graph)
+    _drop_round_trip_views(traced.graph)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
@@ -104,6 +105,28 @@ def _drop_whole_slices(graph: torch.fx.Graph) -> None:
         size = value.shape[dim]
         if end is None or (isinstance(end, int) and end == _TO_THE_END) or (
                 isinstance(end, int | torch.SymInt) and statically_known_true(end >= size)):
+            node.replace_all_uses_with(source)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+
+
+def _drop_round_trip_views(graph: torch.fx.Graph) -> None:
+    """Read `t.view(s).view(t.shape)` as t: a store through a flattened view of a buffer (`_setitem`)
+    functionalizes to `view(index_put(view(buf, [-1, H]), ...), [B, S, H])`, and the next store flattens
+    that again; without the pair, the stores would not be one chain of writes into one buffer. Views
+    keep every element in order, so viewing back to the shape t had gives t's values."""
+    for node in graph.find_nodes(op="call_function", target=_VIEWS[0]) + [
+            n for target in _VIEWS[1:] for n in graph.find_nodes(op="call_function", target=target)]:
+        inner = node.args[0]
+        if not (isinstance(inner, torch.fx.Node) and inner.op == "call_function" and inner.target in _VIEWS):
+            continue
+        source = inner.args[0]
+        want = node.meta.get("val")
+        have = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not (isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor) and want.dim() == have.dim()):
+            continue
+        if all(statically_known_true(a == b) for a, b in zip(want.shape, have.shape, strict=True)) and want.dtype == have.dtype:
             node.replace_all_uses_with(source)
 
 
@@ -160,6 +183,34 @@ def _matmul(a, b, **kwargs):
     return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
 
 
+def _leading_mask(x, index) -> int:
+    """d when `index` is a boolean mask over x's first d >= 2 dims (`x[mask]`, mask [B, S] on [B, S, H]);
+    else 0."""
+    if not (isinstance(x, torch.Tensor) and isinstance(index, torch.Tensor) and index.dtype == torch.bool):
+        return 0
+    d = index.dim()
+    return d if 2 <= d <= x.dim() and all(statically_known_true(a == b) for a, b in zip(index.shape, x.shape[:d], strict=True)) else 0
+
+
+def _getitem(x, index):
+    """`x[mask]` with a mask over several leading dims as the same rows of x flattened there
+    (`x.flatten(0, d - 1)[mask.flatten()]`: row-major order both ways), the one-dim mask the finders read."""
+    d = _leading_mask(x, index)
+    if d:
+        return x.flatten(0, d - 1)[index.flatten()]
+    return operator.getitem(x, index)
+
+
+def _setitem(x, index, value):
+    """`x[mask] = v` with a mask over several leading dims, written through the flattened view of x (the
+    same elements, in the same order, as `_getitem` reads)."""
+    d = _leading_mask(x, index)
+    if d and x.is_contiguous():  # else no view flattens those dims: stored as written
+        x.view(-1, *x.shape[d:])[index.flatten()] = value
+        return None
+    return operator.setitem(x, index, value)
+
+
 def _no_mode_change(*_args):
     """`torch.inference_mode(...)` entered or left inside the graph (torch 2.9's dynamo records the switch
     as calls): the canonical trace computes the same values without it, and switching it inside functorch's
@@ -179,7 +230,8 @@ def _in_place(method: str, fallback):
 
 _TRACED_AS = {torch._C._nn.one_hot: _one_hot, torch.nn.functional.one_hot: _one_hot,
               torch._C._nn.linear: _linear, torch.nn.functional.linear: _linear,
-              torch.matmul: _matmul, operator.matmul: _matmul}
+              torch.matmul: _matmul, operator.matmul: _matmul,
+              operator.getitem: _getitem, operator.setitem: _setitem}
 _TRACED_AS.update({
     operator.ior: _in_place("bitwise_or_", operator.ior),
     operator.iand: _in_place("bitwise_and_", operator.iand),

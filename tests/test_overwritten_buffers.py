@@ -96,3 +96,79 @@ def test_stores_under_top_k_are_declined(top_k):
     torch.manual_seed(0)
     report = _run(StoresIntoACopy(top_k=top_k))
     assert not report.fused and report.declined, str(report)
+
+
+class ColumnHitList(nn.Module):
+    """Switch Transformers 4.x as its authors write it: a [B, S, E] boolean mask, the hit experts as a
+    Python list of the mask's non-empty columns, experts in a ModuleDict, stores into a [B, S, H] buffer,
+    the router's probability applied after the loop."""
+
+    def __init__(self, start: str = "zeros"):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{i}": GatedExpert() for i in range(E)})
+        self.start = start
+
+    def route(self, hidden_states):
+        probs = F.softmax(self.router(hidden_states), dim=-1)
+        router_probs, expert_index = probs.max(dim=-1, keepdim=True)
+        next_states = torch.zeros_like(hidden_states) if self.start == "zeros" else hidden_states.clone()
+        return F.one_hot(expert_index.squeeze(-1), E), router_probs, next_states
+
+    def forward(self, hidden_states):
+        router_mask, router_probs, next_states = self.route(hidden_states)
+        router_mask = router_mask.bool()
+        batch_size, seq_len, num_experts = router_mask.shape
+        idx_mask = router_mask.reshape(batch_size * seq_len, num_experts).sum(dim=0)
+        idx_mask = torch.nonzero(idx_mask, as_tuple=True)[0].tolist()
+        for idx in idx_mask:
+            next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(
+                hidden_states[router_mask[:, :, idx]])
+        return router_probs * next_states
+
+
+class ColumnHitListOverDims(ColumnHitList):
+    def forward(self, hidden_states):
+        router_mask, router_probs, next_states = self.route(hidden_states)
+        router_mask = router_mask.bool()
+        counts = router_mask.sum(dim=(0, 1))
+        hit = counts.nonzero(as_tuple=True)[0].tolist()
+        for e in hit:
+            next_states[router_mask[:, :, e]] = self.experts[f"expert_{e}"](hidden_states[router_mask[:, :, e]])
+        return router_probs * next_states
+
+
+class RowCountHitList(ColumnHitList):
+    """Counts per token, cut to E entries: not the columns' counts."""
+
+    def forward(self, hidden_states):
+        router_mask, router_probs, next_states = self.route(hidden_states)
+        router_mask = router_mask.bool()
+        batch_size, seq_len, num_experts = router_mask.shape
+        idx_mask = router_mask.reshape(batch_size * seq_len, num_experts).sum(dim=1)[:num_experts]
+        idx_mask = torch.nonzero(idx_mask, as_tuple=True)[0].tolist()
+        for idx in idx_mask:
+            next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(
+                hidden_states[router_mask[:, :, idx]])
+        return router_probs * next_states
+
+
+@pytest.mark.parametrize(("cls", "start"), [(ColumnHitList, "zeros"), (ColumnHitListOverDims, "zeros"),
+                                            (ColumnHitList, "clone")])
+def test_a_hit_list_over_mask_columns_is_fused(cls, start):
+    torch.manual_seed(0)
+    model = cls(start)
+    x = torch.randn(2, 5, H)
+    report, output, _ = run_hpu_moe(model, (x,))
+    assert report.graph_break_count == 0 and [f.top_k for f in report.fused] == [1], str(report)
+    torch.testing.assert_close(output, eager_output(model, (x,)))
+
+
+def test_a_hit_list_of_other_counts_is_left_as_written():
+    """The loop keeps its list (a graph break), and the output is eager's."""
+    torch.manual_seed(0)
+    model = RowCountHitList()
+    x = torch.randn(2, 5, H)
+    report, output, _ = run_hpu_moe(model, (x,))
+    assert not report.fused and report.graph_break_count > 0, str(report)
+    torch.testing.assert_close(output, eager_output(model, (x,)))

@@ -106,3 +106,22 @@ def test_mixtral_top1_routing():
     assert len(recorder.fused_nodes()) == 2 and report.graph_break_count == 0, str(report)
     assert all(f.top_k == 1 for f in report.fused)
     assert_close_for_dtype(output, eager_output(model, args))
+
+
+def test_switch_transformers_hit_list_over_mask_columns_is_captured_and_declined_as_ungated():
+    """4.x Switch Transformers: `idx_mask = torch.nonzero(router_mask.reshape(b * s, E).sum(0), as_tuple=True)[0]
+    .tolist()` over a [B, S, E] boolean mask, rows `router_mask[:, :, idx]`, experts `getattr(self.experts,
+    f"expert_{idx}")`, stores into a [B, S, H] buffer. Captured in the experts' graph (the router breaks
+    the graph earlier, at its `self.classifier = self.classifier.to(dtype)`); its experts, relu MLPs without
+    a gate, are declined for that."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_ff=8, d_kv=8, num_heads=2, num_layers=2, num_sparse_encoder_layers=1,
+        num_experts=4, expert_capacity=64)
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersEncoderModel(config).eval()
+    args = (torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1)),)
+    report, output, recorder = run_hpu_moe(model, args)
+    assert len(report.declined) == 1 and not recorder.fused_nodes(), str(report)
+    assert "an ungated MLP, down(relu(up(x)))" in report.declined[0].reason, str(report)
+    assert not any("tolist" in b.reason or "nonzero" in b.reason for b in report.graph_breaks), str(report)
+    assert_close_for_dtype(output[0], eager_output(model, args)[0])

@@ -41,6 +41,11 @@ false.
 Loops that zip the experts with per-expert tensors (`for mask, expert in zip(masks, self.experts)`,
 LitGPT) select tokens by the zipped element as `range` loops do by `mask[e]`.
 
+A loop over the hit list of a boolean mask's columns, the expert axis last (transformers 4.x Switch
+Transformers: `nonzero(M.reshape(N, E).sum(0), as_tuple=True)[0].tolist()`, rows `M[:, :, e]`), is read
+as a hit loop over `M.movedim(-1, 0)` (`_column_hits_as_rows` says when), and a store `T[M[e]] = v` is
+its body's one effect: nothing is stored for an expert not hit.
+
 Loops over the ids present (`for e in ids.unique().tolist():`) run over every expert where the body's
 only effect is one accumulation at `torch.where(ids == e)` (`present_ids` says why that is exact).
 
@@ -407,6 +412,139 @@ def _tolist_of(value: ast.AST) -> ast.AST | None:
     return None
 
 
+_COLUMNS = "__moe_passes_columns"  # a mask with its trailing expert axis moved first (_column_hits_as_rows)
+
+
+def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
+    """A loop over the experts whose column of a boolean mask has an entry becomes the hit loop the proof
+    reads, in place (HF Switch Transformers 4.x, the expert axis last):
+
+        counts = M.reshape(N, E).sum(dim=0)                    # E: M's last size (`b, s, E = M.shape`)
+        hit = torch.nonzero(counts, as_tuple=True)[0].tolist()
+        for e in hit:
+            ... M[:, :, e] ...
+
+    becomes `C = M.movedim(-1, 0)`, `hit = C.any(dim=(1, 2)).nonzero()` and
+    `for row in hit: e = int(row[0])` reading `C[e]`: the same experts in the same order, since a column of
+    a boolean M sums to a non-zero count exactly where it holds a True, and `C[e]` is `M[:, :, e]`. Taken
+    where M is boolean by construction at the loop (`_boolean_names`), the counts are the column sums
+    (`M.reshape(N, E).sum(0)` with E M's last size, or `M.sum(dims)` over every other dim), M is read in
+    the loop only as `M[:, ..., :, e]` with one full slice per other dim, and nothing binds M, the counts
+    or the hit list between them and the loop (all statements of the method's own block)."""
+    boolean = _boolean_names(fn_def)
+    block = fn_def.body
+    for at, loop in enumerate(list(block)):
+        if not (isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) and not loop.orelse and loop.body
+                and at >= 2):
+            continue
+        listed = _tolist_of(loop.iter)
+        hit_name = listed if listed is not None else loop.iter
+        hit_stmt, count_stmt = block[at - 1], block[at - 2]
+        if not (isinstance(hit_name, ast.Name) and _assigns_name(hit_stmt, hit_name.id)):
+            continue
+        tensor = hit_stmt.value if listed is not None else _tolist_of(hit_stmt.value)
+        found = _hit_list_operand(tensor) if tensor is not None else None
+        if found is None or found[1] or not isinstance(found[0], ast.Name):
+            continue
+        counts = found[0].id
+        if not _assigns_name(count_stmt, counts):
+            continue
+        mask, ndim = _column_sums(count_stmt.value, fn_def)
+        if mask is None or mask not in boolean:
+            continue
+        var = loop.target.id
+        columns = [n for n in ast.walk(loop) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                   and n.value.id == mask]
+        reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and n.id == mask]
+        if not columns or len(columns) != len(reads) or not all(_column_at(c.slice, var, ndim) for c in columns):
+            continue
+        ndim = ndim or len(columns[0].slice.elts)
+        if any(len(c.slice.elts) != ndim for c in columns):
+            continue
+        after = hit_stmt.end_lineno or hit_stmt.lineno
+        later = [n for n in walk_function(fn_def) if getattr(n, "lineno", 0) > after]
+        if any(isinstance(n, ast.Name) and n.id in (mask, counts, hit_name.id) and not isinstance(n.ctx, ast.Load)
+               for n in later) or any(changes_in_place(n, mask) for n in later if isinstance(n, ast.stmt)):
+            continue  # bound or changed after the hit list: the loop may read other values
+        if sum(1 for n in later if isinstance(n, ast.Name) and n.id == hit_name.id) != 1:
+            continue  # the hit list is read by the loop alone
+        moved = f"{_COLUMNS}_{mask}"
+        dims = ", ".join(str(d) for d in range(1, ndim))
+        block.insert(at - 1, _placed(f"{moved} = {mask}.movedim(-1, 0)", hit_stmt))
+        hits = f"{_COLUMNS}_hit_{var}"  # a name of its own: the hit list's may also name the counts
+        hit_stmt.targets = [ast.copy_location(ast.Name(hits, ast.Store()), hit_stmt.targets[0])]
+        hit_stmt.value = ast.copy_location(_parse_expr(f"{moved}.any(dim=({dims},)).nonzero()"), hit_stmt.value)
+        loop.iter = ast.copy_location(ast.Name(hits, ast.Load()), loop.iter)
+        for column in columns:
+            column.value = ast.copy_location(ast.Name(moved, ast.Load()), column.value)
+            column.slice = ast.copy_location(ast.Name(var, ast.Load()), column.slice)
+        row = f"{_INDEX}_row_{var}"
+        loop.body = [_placed(f"{var} = int({row}[0])", loop.body[0]), *loop.body]
+        loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
+    ast.fix_missing_locations(fn_def)
+
+
+def _assigns_name(stmt: ast.stmt, name: str) -> bool:
+    return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == name)
+
+
+def _column_sums(value: ast.AST, fn_def: ast.FunctionDef) -> tuple[str | None, int]:
+    """(M, M's number of dims or 0 where not written) when `value` sums a name M over every dim but the
+    last: `M.reshape(N, E).sum(dim=0)` (also `view`, `sum(0)`) with E M's last size (`M.shape[-1]`,
+    `M.size(-1)`, or a name unpacked last from `M.shape`), or `M.sum(dim=(0, ..., n - 2))`."""
+    if not (call_name(value) == "sum" and isinstance(value.func, ast.Attribute)):
+        return None, 0
+    dims = _reduced_dims_of(value)
+    viewed = value.func.value
+    if (call_name(viewed) in ("reshape", "view") and isinstance(viewed.func, ast.Attribute)
+            and isinstance(viewed.func.value, ast.Name) and len(viewed.args) == 2 and dims == (0,)):
+        mask = viewed.func.value.id
+        return (mask, 0) if _last_size_of(viewed.args[1], mask, fn_def) else (None, 0)
+    if isinstance(viewed, ast.Name) and dims is not None and len(dims) >= 1 and dims == tuple(range(len(dims))):
+        return viewed.id, len(dims) + 1
+    return None, 0
+
+
+def _reduced_dims_of(call: ast.Call) -> tuple[int, ...] | None:
+    """The constant dims a `sum` reduces (`sum(0)`, `sum(dim=(0, 1))`), else None; no other argument."""
+    if len(call.args) + len(call.keywords) != 1 or (call.keywords and call.keywords[0].arg != "dim"):
+        return None
+    dim = call.args[0] if call.args else call.keywords[0].value
+    items = dim.elts if isinstance(dim, ast.Tuple | ast.List) else [dim]
+    if not all(isinstance(i, ast.Constant) and isinstance(i.value, int) and i.value >= 0 for i in items):
+        return None
+    return tuple(sorted(i.value for i in items))
+
+
+def _last_size_of(size: ast.AST, mask: str, fn_def: ast.FunctionDef) -> bool:
+    """`size` is M's last size: `M.shape[-1]`, `M.size(-1)`, or a name bound once by unpacking `M.shape`
+    (`b, s, E = M.shape`) at its last position."""
+    if isinstance(size, ast.Subscript) and ast.unparse(size) == f"{mask}.shape[-1]":
+        return True
+    if ast.unparse(size) == f"{mask}.size(-1)":
+        return True
+    if not isinstance(size, ast.Name):
+        return False
+    bound = bindings(fn_def).get(size.id, [])
+    if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
+        return False
+    target, value = bound[0].targets[0], bound[0].value
+    return (isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[-1], ast.Name)
+            and target.elts[-1].id == size.id and not any(isinstance(e, ast.Starred) for e in target.elts)
+            and ast.unparse(value) == f"{mask}.shape")
+
+
+def _column_at(index: ast.AST, var: str, ndim: int) -> bool:
+    """`[:, ..., :, var]`: full slices over every dim but the last (as many as `ndim` - 1 where known),
+    the loop variable last."""
+    if not isinstance(index, ast.Tuple) or len(index.elts) < 2:
+        return False
+    *leading, last = index.elts
+    full = all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None for e in leading)
+    return full and isinstance(last, ast.Name) and last.id == var and (ndim == 0 or len(leading) == ndim - 1)
+
+
 def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
     """A loop over a hit list of ints becomes a loop over the rows of a `nonzero`, in place:
     `hit = T.nonzero(as_tuple=True)[0].tolist()` read only by `for e in hit:` (or `hit = <that tensor>`
@@ -613,6 +751,20 @@ def _store_at_tested_mask(stmt: ast.stmt, bound: set[str]) -> ast.Assign | None:
             isinstance(n, ast.NamedExpr) for n in ast.walk(store)):
         return None
     return store if ast.dump(target.slice) == ast.dump(subject) else None
+
+
+def _store_at_the_row(stmt: ast.stmt, mask: str, numbers: set[str], bound: set[str]) -> bool:
+    """`T[M[var]] = v` (or `M[alias]`), T a tensor bound before the loop, in a hit loop over a boolean M
+    (HF Switch Transformers: `next_states[mask[:, :, e]] = expert(x[mask[:, :, e]])`). For an expert not
+    hit, M[var] holds no True: the store writes no element, and v is computed on no rows."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)):
+        return False
+    target = stmt.targets[0]
+    index = target.slice
+    return (isinstance(target.value, ast.Name) and target.value.id not in bound and target.value.id != mask
+            and isinstance(index, ast.Subscript) and isinstance(index.value, ast.Name) and index.value.id == mask
+            and isinstance(index.slice, ast.Name) and index.slice.id in numbers
+            and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(stmt)))
 
 
 def _is_torch(expr: ast.AST) -> bool:
@@ -1031,7 +1183,7 @@ def _piece_rows(zipped) -> dict[str, int]:
 
 def _check_body(
     loop: ast.For, var: str, mask: str | None, fn_def: ast.FunctionDef, given_rows: dict[str, int] | None = None,
-    present_ids: str | None = None, callees: Callees | None = None,
+    present_ids: str | None = None, callees: Callees | None = None, boolean_mask: bool = False,
 ) -> tuple[list[int], list[int]]:
     """The body's only effect is one accumulation at rows that are empty for an expert not hit.
 
@@ -1056,6 +1208,7 @@ def _check_body(
     count_guards: list[tuple[int, str]] = []  # (line of `if counts[var] == 0: continue`, counts)
     absent_skips: list[tuple[int, str]] = []  # (line of `if var not in ids: continue`, ids)
     stores: list[int] = []  # lines of `if torch.any(M): T[M] = v`
+    row_stores: list[int] = []  # lines of `T[mask[var]] = v` in a hit loop over a boolean mask
     booleans: set[str] = set()  # names the body bound to boolean expressions (`mask = ids == e`)
     fresh: set[str] = set()  # names bound to a gather at the rows, or an expert's output of one: empty with them
     equal_to: dict[str, ast.expr] = {}  # names the body bound to a comparison, with it (`mask = ids == e`)
@@ -1131,6 +1284,9 @@ def _check_body(
             if (added := _added_as_a_store(stmt)) is not None:
                 accumulations.append(added)
                 at_mask(added)
+                continue
+            if boolean_mask and mask is not None and _store_at_the_row(stmt, mask, {var, row}, bound):
+                row_stores.append(stmt.lineno)
                 continue
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
@@ -1231,6 +1387,12 @@ def _check_body(
                 )
 
     visit(body)
+    if row_stores:  # `T[M[var]] = v`: no element stored where the boolean row holds no True (an expert not hit)
+        if accumulations or stores or mask_guards or count_guards or absent_skips or guards or len(row_stores) != 1:
+            raise NotAdaptable(f"line {row_stores[0]}: a store at the expert's row of the mask is not the loop "
+                               "body's only effect")
+        _check_locals(loop, bound, fn_def)
+        return [], skips
     if stores:  # `if torch.any(M): T[M] = v` is the whole effect of the body
         if accumulations or mask_guards or count_guards or absent_skips or guards or len(stores) != 1:
             raise NotAdaptable(f"line {stores[0]}: a store at its tested mask is not the loop body's only effect")
@@ -1569,6 +1731,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     `if rows.numel() > 0:` around the work and `if rows.shape[0] == 0: continue` before it.
     """
     fn_def, filename = function_source(fn)
+    _column_hits_as_rows(fn_def)
     _hit_lists_as_rows(fn_def)
     link_parents(fn_def)
     assignments = bindings(fn_def)
@@ -1663,7 +1826,8 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
             raise NotAdaptable(f"line {node.lineno}: {mask} is bound again between the hit test and the loop, so "
                                "the rows the loop selects are not those the hit test tested")
         _formatted_numbers_as_alias(node)
-        removable, skips = _check_body(node, node.target.id, mask, fn_def, callees=callees)
+        removable, skips = _check_body(node, node.target.id, mask, fn_def, callees=callees,
+                                       boolean_mask=mask in boolean)
         _not_read_after(node, node.target.id, fn_def)
         alias = _element_alias(node.body[0], node.target.id) if node.body else None
         if alias is not None:
@@ -1947,7 +2111,7 @@ def _mentions(expr: ast.AST, names: set[str]) -> bool:
     return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(expr))
 
 
-_MASK_VIEWS = VIEW_METHODS | {"squeeze", "unsqueeze", "flatten", "bool"}
+_MASK_VIEWS = VIEW_METHODS | {"squeeze", "unsqueeze", "flatten", "bool", "movedim"}
 
 
 def _is_expert_mask(expr: ast.AST, varying: set[str], masks: set[str], lookups: bool = True,

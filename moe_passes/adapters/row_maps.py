@@ -211,6 +211,8 @@ class Callees:
             return self.name_dropping(func.id, call)
         if isinstance(func, ast.Subscript):
             return None if self._of_instance(func) else f"`{ast.unparse(func)[:40]}`, whose callee is not known here"
+        if self._named_submodule(func):
+            return None  # `getattr(self.experts, f"expert_{i}")(x)`: a submodule, as `self.experts[i](x)`
         if not isinstance(func, ast.Attribute):
             return f"`{ast.unparse(func)[:40]}`, whose callee is not known here"
         root = _root(func)
@@ -259,6 +261,14 @@ class Callees:
             return all(isinstance(b, ast.Assign) and isinstance(b.value, ast.Subscript) and self._of_instance(b.value)
                        for b in self.local[func.id])
         return False
+
+    def _named_submodule(self, expr: ast.AST) -> bool:
+        """`getattr(self.<container>, name)` with the builtin getattr and no default (HF Switch
+        Transformers' `getattr(self.experts, f"expert_{idx}")`): an attribute of the instance's."""
+        return (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr"
+                and expr.func.id not in self.local and expr.func.id not in self.params
+                and expr.func.id not in self.namespace and len(expr.args) == 2 and not expr.keywords
+                and self._of_instance(expr.args[0]))
 
     def _of_instance(self, expr: ast.AST) -> bool:
         root = _root(expr)

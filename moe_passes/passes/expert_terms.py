@@ -534,7 +534,10 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     if term.rows_write != "adds" and rows.unique().numel() != rows.numel():
         return None
     if term.coefficient_by_token:
-        per_token = _token_axis_values(_coefficient_value(term, env), (tokens, int(width)), tokens)
+        value = _coefficient_value(term, env)
+        if value.dim() > 2:  # [B, S, 1] scaling the [B, S, H] view of the rows' buffer: one value per row
+            value = value.reshape(-1, value.shape[-1])
+        per_token = _token_axis_values(value, (tokens, int(width)), tokens)
         per_row = per_token[rows] if per_token is not None else None
     else:
         per_row = _token_axis_values(_coefficient_value(term, env), (rows.shape[0], int(width)), rows.shape[0])
@@ -589,8 +592,8 @@ def _assign(columns_per_probe, envs_per_term, tokens: int, num_columns: int, ter
     if _slots_left_unfilled(envs_per_term, terms, tokens):
         if any(t.rows_write == "overwrites" for t in terms):
             return NoMatch(
-                "the experts store their outputs into a buffer that already holds values (a copy of the "
-                "hidden states, `x.clone()`), and under a routing some token's row is stored by no expert "
+                "the experts store their outputs into a buffer that already holds values (not zeros: a copy "
+                "of the hidden states, `x.clone()`), and under a routing some token's row is stored by no expert "
                 "(dropped past an expert's capacity, or routed nowhere): that token keeps the old value, "
                 "which the fused kernel does not compute"
             )

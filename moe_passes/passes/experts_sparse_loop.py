@@ -231,7 +231,14 @@ def _chain(end: Node) -> list[Node] | None:
     while link_parts(node) is not None:
         links.append(node)
         node = link_parts(node)[0]
-    return links[::-1] if is_zero_init(node) or _fills(node, links) or _overwrites(node, links) else None
+    return links[::-1] if _zero_buffer(node) or _fills(node, links) or _overwrites(node, links) else None
+
+
+def _zero_buffer(node: Node) -> bool:
+    """Zeros, also viewed as rows (`zeros(B, S, H)` stored through its `[B * S, H]` view)."""
+    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        node = node.args[0]
+    return is_zero_init(node)
 
 
 _UNINITIALISED = (aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default)
@@ -247,7 +254,7 @@ def _overwrites(base: Node, links: list[Node]) -> bool:
     """Stores at token rows into a buffer that holds values (HF Switch: `next_states = x.clone()`, then
     `next_states[mask_e] = expert_e(x[mask_e])`): exact where every token's row is stored by one expert,
     so that no old value survives (checked on the probes, "overwrites")."""
-    return not is_zero_init(base) and all(link_parts(n)[4] == "stores" for n in links)
+    return not _zero_buffer(base) and all(link_parts(n)[4] == "stores" for n in links)
 
 
 def _slot_combine(end: Node, top_k: int) -> tuple[Node, Node] | None:
@@ -339,10 +346,12 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
         terms.append(
             dataclasses.replace(term, hidden=strip_shape_ops(hidden), rows=index, rows_write=writes)
         )
-    base = strip_casts(link_parts(links[0])[0])
-    if _overwrites(link_parts(links[0])[0], links):
+    accumulator = link_parts(links[0])[0]
+    base = strip_casts(accumulator)
+    if _overwrites(accumulator, links):
         terms = [dataclasses.replace(t, rows_write="overwrites") for t in terms]
-    hidden_shape, out_shape = shape(terms[0].hidden), shape(base)
+    # the accumulator as the links write it: a [B, S, H] buffer flattened to rows is a [T, H] one
+    hidden_shape, out_shape = shape(terms[0].hidden), shape(accumulator) if len(shape(base) or ()) != 2 else shape(base)
     if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
         return no("the accumulator is not a [T, H] tensor", base)
     tokens = 1
@@ -421,10 +430,26 @@ def _match_slot_stores(end: Node, links: list[Node]) -> ExpertsMatch | Decline:
 
 
 def _scaled_after(out: Node) -> tuple[Node, Node] | None:
-    """(the product, w) when the accumulated output's one use is `out * w` with w one value per token."""
+    """(the product, w) when the accumulated output's one use is `out * w` with w one value per token;
+    also where a [T, H] buffer of rows is viewed back to [B, S, H] first and w is [B, S, 1] (HF Switch
+    Transformers 4.x: `router_probs * next_states`)."""
     if len(out.users) != 1:
         return None
     product = next(iter(out.users))
+    if is_call(product, aten.view.default, aten.reshape.default, aten._unsafe_view.default) and len(product.users) == 1:
+        viewed, out_shape = product, shape(out)
+        product = next(iter(viewed.users))
+        viewed_shape = shape(viewed)
+        if not (len(out_shape or ()) == 2 and len(viewed_shape or ()) >= 3
+                and statically_known_true(viewed_shape[-1] == out_shape[-1]) and is_call(product, aten.mul.Tensor)):
+            return None
+        weight = product.args[1] if product.args[0] is viewed else product.args[0]
+        weight_shape = shape(weight) if isinstance(weight, Node) else None
+        if (weight is viewed or weight_shape is None or len(weight_shape) != len(viewed_shape)
+                or const_int(weight_shape[-1]) != 1
+                or not all(statically_known_true(a == b) for a, b in zip(weight_shape[:-1], viewed_shape[:-1], strict=True))):
+            return None
+        return product, weight
     if not is_call(product, aten.mul.Tensor) or not all(isinstance(a, Node) for a in product.args[:2]):
         return None
     weight = product.args[1] if product.args[0] is out else product.args[0]
