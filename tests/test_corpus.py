@@ -48,7 +48,7 @@ OUTCOMES = {
     "gpt_oss_torch_reference": "fused",
     "grok1_moe": "declined",
     "hf_nllb_moe": "declined",
-    "hf_switch_transformers": "not captured",
+    "hf_switch_transformers": "declined",
     "hidream_i1_moe": "fused",
     "hunyuan_a13b_moe": "declined",
     "hunyuan_large_moe": "fused",
