@@ -205,10 +205,26 @@ def _setitem(x, index, value):
     """`x[mask] = v` with a mask over several leading dims, written through the flattened view of x (the
     same elements, in the same order, as `_getitem` reads)."""
     d = _leading_mask(x, index)
-    if d and x.is_contiguous():  # else no view flattens those dims: stored as written
+    if d and _surely_contiguous(x):  # else no view may flatten those dims: stored as written
         x.view(-1, *x.shape[d:])[index.flatten()] = value
         return None
     return operator.setitem(x, index, value)
+
+
+def _surely_contiguous(x: torch.Tensor) -> bool:
+    """x is contiguous, decided without guarding where a size made from data leaves it open (then False:
+    the store is traced as written)."""
+    try:
+        flag = x.is_contiguous()
+    except Exception:  # noqa: BLE001 - a data-dependent guard on this torch: undecided
+        return False
+    if isinstance(flag, torch.SymBool):
+        try:
+            from torch.fx.experimental.symbolic_shapes import guard_or_false
+        except ImportError:
+            return False
+        return guard_or_false(flag)
+    return bool(flag)
 
 
 def _no_mode_change(*_args):

@@ -264,11 +264,12 @@ class Callees:
 
     def _named_submodule(self, expr: ast.AST) -> bool:
         """`getattr(self.<container>, name)` with the builtin getattr and no default (HF Switch
-        Transformers' `getattr(self.experts, f"expert_{idx}")`): an attribute of the instance's."""
+        Transformers' `getattr(self.experts, f"expert_{idx}")`): an item of a container the instance holds,
+        as `self.experts[i]` is (`getattr(self, name)`, which may be a method, is not)."""
         return (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr"
                 and expr.func.id not in self.local and expr.func.id not in self.params
                 and expr.func.id not in self.namespace and len(expr.args) == 2 and not expr.keywords
-                and self._of_instance(expr.args[0]))
+                and isinstance(expr.args[0], ast.Attribute) and self._of_instance(expr.args[0]))  # not `self`
 
     def _of_instance(self, expr: ast.AST) -> bool:
         root = _root(expr)
