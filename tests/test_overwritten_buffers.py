@@ -131,6 +131,7 @@ class ColumnHitListOverDims(ColumnHitList):
     def forward(self, hidden_states):
         router_mask, router_probs, next_states = self.route(hidden_states)
         router_mask = router_mask.bool()
+        _, _, num_experts = router_mask.shape
         counts = router_mask.sum(dim=(0, 1))
         hit = counts.nonzero(as_tuple=True)[0].tolist()
         for e in hit:
@@ -171,4 +172,61 @@ def test_a_hit_list_of_other_counts_is_left_as_written():
     x = torch.randn(2, 5, H)
     report, output, _ = run_hpu_moe(model, (x,))
     assert not report.fused and report.graph_break_count > 0, str(report)
+    torch.testing.assert_close(output, eager_output(model, (x,)))
+
+
+class HandedInIds(nn.Module):
+    """Ids from outside the graph may hold a drop sentinel (E): that token keeps its input in a copy."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.experts = nn.ModuleList(GatedExpert() for _ in range(E))
+        self.start = start
+
+    def forward(self, x, ids, top):
+        out = x.clone() if self.start == "clone" else torch.zeros_like(x)
+        for e in range(E):
+            m = ids == e
+            out[m] = self.experts[e](x[m])
+        return out * top[:, None]
+
+
+@pytest.mark.parametrize("start", ["clone", "zeros"])
+def test_ids_handed_in_are_not_taken_to_cover_a_copy(start):
+    """Into a copy, the passes cannot show every id names an expert: declined. Into zeros, a sentinel
+    adds nothing, as in the kernel's range: fused."""
+    torch.manual_seed(0)
+    model = HandedInIds(start)
+    x, top = torch.randn(T, H), torch.rand(T)
+    ids = torch.randint(0, E, (T,))
+    ids[::3] = E
+    report, output, _ = run_hpu_moe(model, (x, ids, top))
+    torch.testing.assert_close(output, eager_output(model, (x, ids, top)))
+    if start == "clone":
+        assert not report.fused and "not a choice made in this graph" in report.declined[0].reason, str(report)
+    else:
+        assert [f.top_k for f in report.fused] == [1], str(report)
+
+
+class ColumnsOfTheWrongAxis(ColumnHitList):
+    """`M.sum(dim=0)` of a [B, S, E] mask is [S, E], not the columns' counts; rows `M[:, idx]`."""
+
+    def forward(self, hidden_states):
+        router_mask, router_probs, next_states = self.route(hidden_states)
+        router_mask = router_mask.bool()
+        batch_size, seq_len, num_experts = router_mask.shape
+        counts = router_mask.sum(dim=0)
+        hit = torch.nonzero(counts, as_tuple=True)[0].tolist()
+        for idx in hit:
+            next_states[router_mask[:, idx]] = getattr(self.experts, f"expert_{idx}")(
+                hidden_states[router_mask[:, idx]])
+        return router_probs * next_states
+
+
+def test_counts_over_other_axes_than_the_mask_has_are_left_as_written():
+    torch.manual_seed(0)
+    model = ColumnsOfTheWrongAxis("clone")
+    x = torch.randn(2, E, H)  # S == E: every index the loop reads exists
+    report, output, _ = run_hpu_moe(model, (x,))
+    assert not report.fused, str(report)
     torch.testing.assert_close(output, eager_output(model, (x,)))

@@ -427,10 +427,11 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
     becomes `C = M.movedim(-1, 0)`, `hit = C.any(dim=(1, 2)).nonzero()` and
     `for row in hit: e = int(row[0])` reading `C[e]`: the same experts in the same order, since a column of
     a boolean M sums to a non-zero count exactly where it holds a True, and `C[e]` is `M[:, :, e]`. Taken
-    where M is boolean by construction at the loop (`_boolean_names`), the counts are the column sums
-    (`M.reshape(N, E).sum(0)` with E M's last size, or `M.sum(dims)` over every other dim), M is read in
-    the loop only as `M[:, ..., :, e]` with one full slice per other dim, and nothing binds M, the counts
-    or the hit list between them and the loop (all statements of the method's own block)."""
+    where M is boolean by construction at the loop (`_boolean_names`), its rank is the one the method
+    unpacks (`b, s, E = M.shape`, `_mask_rank`), the counts are the column sums (`M.reshape(N, E).sum(0)`
+    with E M's last size, or `M.sum(dims)` over every other dim), M is read in the loop only as
+    `M[:, ..., :, e]` with one full slice per other dim, and nothing binds M, the counts or the hit list
+    between them and the loop (all statements of the method's own block)."""
     boolean = _boolean_names(fn_def)
     block = fn_def.body
     for at, loop in enumerate(list(block)):
@@ -449,17 +450,15 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
         counts = found[0].id
         if not _assigns_name(count_stmt, counts):
             continue
-        mask, ndim = _column_sums(count_stmt.value, fn_def)
-        if mask is None or mask not in boolean:
-            continue
+        mask, summed = _column_sums(count_stmt.value, fn_def)
+        ndim = _mask_rank(fn_def, mask, count_stmt.lineno) if mask is not None else None
+        if mask is None or mask not in boolean or ndim is None or (summed and summed != ndim):
+            continue  # the counts are the column sums only of a mask of the rank the method unpacks
         var = loop.target.id
         columns = [n for n in ast.walk(loop) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
                    and n.value.id == mask]
         reads = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and n.id == mask]
         if not columns or len(columns) != len(reads) or not all(_column_at(c.slice, var, ndim) for c in columns):
-            continue
-        ndim = ndim or len(columns[0].slice.elts)
-        if any(len(c.slice.elts) != ndim for c in columns):
             continue
         after = hit_stmt.end_lineno or hit_stmt.lineno
         later = [n for n in walk_function(fn_def) if getattr(n, "lineno", 0) > after]
@@ -484,6 +483,24 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
     ast.fix_missing_locations(fn_def)
 
 
+def _mask_rank(fn_def: ast.FunctionDef, mask: str, before: int) -> int | None:
+    """M's number of dims where the method unpacks its shape (`b, s, E = M.shape`, which raises for any
+    other rank) after M's last binding and before line `before`, with nothing changing M in place from
+    there; else None."""
+    bound = bindings(fn_def).get(mask, [])
+    last = max((b.lineno for b in bound), default=0)
+    for stmt in fn_def.body:
+        if not (isinstance(stmt, ast.Assign) and last < stmt.lineno < before and len(stmt.targets) == 1):
+            continue
+        target = stmt.targets[0]
+        if (isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts)
+                and ast.unparse(stmt.value) in (f"{mask}.shape", f"{mask}.size()")):
+            changed = any(changes_in_place(n, mask) for n in walk_function(fn_def)
+                          if isinstance(n, ast.stmt) and getattr(n, "lineno", 0) > stmt.lineno)
+            return None if changed else len(target.elts)
+    return None
+
+
 def _assigns_name(stmt: ast.stmt, name: str) -> bool:
     return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
             and stmt.targets[0].id == name)
@@ -492,7 +509,8 @@ def _assigns_name(stmt: ast.stmt, name: str) -> bool:
 def _column_sums(value: ast.AST, fn_def: ast.FunctionDef) -> tuple[str | None, int]:
     """(M, M's number of dims or 0 where not written) when `value` sums a name M over every dim but the
     last: `M.reshape(N, E).sum(dim=0)` (also `view`, `sum(0)`) with E M's last size (`M.shape[-1]`,
-    `M.size(-1)`, or a name unpacked last from `M.shape`), or `M.sum(dim=(0, ..., n - 2))`."""
+    `M.size(-1)`, or a name unpacked last from `M.shape`), or `M.sum(dim=(0, ..., n - 2))`. The caller
+    checks n against the rank the method unpacks (`_mask_rank`)."""
     if not (call_name(value) == "sum" and isinstance(value.func, ast.Attribute)):
         return None, 0
     dims = _reduced_dims_of(value)

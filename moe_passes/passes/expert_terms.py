@@ -21,6 +21,7 @@ from ..fx_utils import (
     const_int,
     dtype,
     is_call,
+    is_getitem,
     shape,
     strip_casts,
     strip_shape_ops,
@@ -674,6 +675,10 @@ def _assign_from_routing(tensors: set[Node], terms, slices, table: Node | None =
         if not is_zero_init(scatter.args[0]) or scatter.args[1] not in (-1, 1) or len(shape(table)) != 2:
             return NoMatch(NOT_SCATTERED)
         width = int(probe.concrete(shape(table)[1]))
+    if any(t.rows_write == "overwrites" for t in terms):
+        chosen_from = _chosen_among(ids)
+        if chosen_from is None or chosen_from > width:
+            return NoMatch(OVERWRITES_UNBOUNDED_IDS)
     probes = probe.routing_probes(tokens, top_k, width, dtype(weights))
     if any(t.rows_write in ("stores", "overwrites") and t.slots_per_token is None for t in terms):  # token rows
         if top_k > 1:
@@ -741,6 +746,34 @@ def _read_at_ids(ids: Node, weights: Node, num_terms: int) -> bool:
         statically_known_true(ids_shape[0] == table_shape[0]) and width is not None and width >= num_terms
         and dtype(weights).is_floating_point and not dtype(ids).is_floating_point
     )
+
+
+OVERWRITES_UNBOUNDED_IDS = (
+    "the experts store their outputs into a buffer that already holds values (not zeros: `x.clone()`), and "
+    "the routing ids are not a choice made in this graph among the experts' columns (handed in, or made by "
+    "ops other than top-k / max / argmax over the router's scores): an id outside the experts (a drop "
+    "sentinel) would leave its token's old value, which the fused kernel does not compute"
+)
+_CHOICES = {aten.topk.default, aten.max.dim, aten.min.dim, aten.sort.default}
+
+
+def _chosen_among(ids: Node) -> int | None:
+    """W when every id is the index of a choice among W columns made in this graph (top-k, max, argmax
+    over the last dim of a [.., W] tensor, through casts and views), so each lies in 0..W-1; else None."""
+    node = strip_shape_ops(strip_casts(strip_shape_ops(ids)))
+    if is_getitem(node, 1) and is_call(node.args[0], *_CHOICES):
+        choice = node.args[0]
+    elif is_call(node, aten.argmax.default, aten.argmin.default):
+        choice = node
+    else:
+        return None
+    scores = choice.args[0]
+    at, default = (2, -1) if is_call(choice, aten.topk.default) else (1, -1 if is_call(choice, aten.sort.default) else None)
+    dim = choice.args[at] if len(choice.args) > at else choice.kwargs.get("dim", default)
+    dims = shape(scores) if isinstance(scores, Node) else None
+    if not dims or not isinstance(dim, int) or dim not in (-1, len(dims) - 1):
+        return None
+    return const_int(dims[-1])
 
 
 def _routing_width(ids: Node) -> int | None:
