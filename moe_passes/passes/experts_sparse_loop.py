@@ -46,7 +46,7 @@ from ..fx_utils import (
 )
 from .expert_terms import ExpertTerm, is_zero_init, match_terms, no_mlp_reason, read_term
 from .finder import Candidate, Finder
-from .matches import Decline, ExpertsMatch
+from .matches import Decline, ExpertsMatch, NoMatch
 from .mlp import same_value
 from .slots import repeat_interleaved
 
@@ -350,15 +350,9 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
     base = strip_casts(accumulator)
     if _overwrites(accumulator, links):
         terms = [dataclasses.replace(t, rows_write="overwrites") for t in terms]
-    # the accumulator as the links write it: a [B, S, H] buffer flattened to rows is a [T, H] one
-    hidden_shape, out_shape = shape(terms[0].hidden), shape(accumulator) if len(shape(base) or ()) != 2 else shape(base)
-    if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
-        return no("the accumulator is not a [T, H] tensor", base)
-    tokens = 1
-    for size in hidden_shape[:-1]:
-        tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
-    if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
-        return no("the accumulator does not hold one row per token of the hidden states", base)
+    tokens = _one_row_per_token(shape(terms[0].hidden), accumulator)
+    if isinstance(tokens, NoMatch):
+        return no(tokens.reason, base)
     chooser = next((c for t in terms if (c := _chosen_by_the_expert(t.rows, tokens)) is not None), None)
     if chooser is not None:
         return no(EXPERTS_CHOOSE_TOKENS, chooser)
@@ -368,6 +362,22 @@ def match_at(chain: tuple[Node, list[Node]]) -> ExpertsMatch | Decline | None:
         root, weight = scaled
         terms = [dataclasses.replace(t, coefficient=weight, coefficient_by_token=True) for t in terms]
     return match_terms(root, terms, FORM)
+
+
+def _one_row_per_token(hidden_shape, accumulator: Node) -> int | None | NoMatch:
+    """The token count (None where not a constant) when the accumulator holds one row per token of the
+    hidden states, as the links write it (a [B, S, H] buffer flattened to rows is a [T, H] one); else why
+    not."""
+    base = strip_casts(accumulator)
+    out_shape = shape(accumulator) if len(shape(base) or ()) != 2 else shape(base)
+    if out_shape is None or len(out_shape) != 2 or hidden_shape is None or len(hidden_shape) < 2:
+        return NoMatch("the accumulator is not a [T, H] tensor")
+    tokens = 1
+    for size in hidden_shape[:-1]:
+        tokens = tokens * const_int(size) if tokens is not None and const_int(size) is not None else None
+    if (tokens, const_int(hidden_shape[-1])) != (const_int(out_shape[0]), const_int(out_shape[1])):
+        return NoMatch("the accumulator does not hold one row per token of the hidden states")
+    return tokens
 
 
 def _before_trailing_non_mlps(links: list[Node]) -> list[Node]:
