@@ -181,18 +181,10 @@ class _Reader:
     def _as_root(self, node: Node):
         """arange(W) for the ids of a top-k over W columns (or for an arange itself)."""
         width, choice = None, False
-        if is_getitem(node, 1) and is_call(node.args[0], aten.topk.default):
-            topk = node.args[0]
-            scores = shape(topk.args[0])
-            dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-            if scores and dim in (-1, len(scores) - 1):
-                width, choice = const_int(scores[-1]), True
-        elif is_call(node, aten.argmax.default) or (is_getitem(node, 1) and is_call(node.args[0], aten.max.dim)):
-            best = node if is_call(node, aten.argmax.default) else node.args[0]  # top-1: argmax / max(dim)[1]
-            args = arguments(best) or {}
-            scores = shape(args.get("self", args.get("input")))
-            if scores and args.get("dim") in (-1, len(scores) - 1):
-                width, choice = const_int(scores[-1]), True
+        if is_call(node, aten.argmax.default) or (is_getitem(node, 1) and is_call(
+                node.args[0], aten.topk.default, aten.max.dim)):  # top-k, or top-1: argmax / max(dim)[1]
+            width = choice_width(node)
+            choice = width is not None
         elif is_call(node, aten.arange.default) and len(node.args) == 1:
             width = const_int(node.args[0])
         if width is None:
@@ -369,3 +361,23 @@ def check_unbounded_ids(ids: Node, region: frozenset[Node], first: int, count: i
         return IdsCheck(first, first + count - 1, None, read_by)
     high = min(bounds) - 1
     return IdsCheck(0, high if partial else min(high, first + count - 1), None, read_by)
+
+
+_CHOICES = (aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim)  # (values, indices)
+
+
+def choice_width(node: Node) -> int | None:
+    """W when `node` is the index output of a choice over the last dim of a [..., W] tensor made in the
+    graph (top-k, sort, max / min over a dim, argmax / argmin), so every value lies in 0..W-1; else None."""
+    if is_getitem(node, 1) and is_call(node.args[0], *_CHOICES):
+        choice = node.args[0]
+    elif is_call(node, aten.argmax.default, aten.argmin.default):
+        choice = node
+    else:
+        return None
+    args = arguments(choice) or {}
+    scores = shape(args.get("self", args.get("input")))
+    dim = args.get("dim")
+    if not scores or not isinstance(dim, int) or dim not in (-1, len(scores) - 1):
+        return None
+    return const_int(scores[-1])

@@ -21,12 +21,12 @@ from ..fx_utils import (
     const_int,
     dtype,
     is_call,
-    is_getitem,
     shape,
     strip_casts,
     strip_shape_ops,
 )
 from . import probe
+from .expert_ids import choice_width
 from .matches import (
     EMPTY_BATCH,
     IDS_WEIGHTS_SHAPES,
@@ -754,26 +754,10 @@ OVERWRITES_UNBOUNDED_IDS = (
     "ops other than top-k / max / argmax over the router's scores): an id outside the experts (a drop "
     "sentinel) would leave its token's old value, which the fused kernel does not compute"
 )
-_CHOICES = {aten.topk.default, aten.max.dim, aten.min.dim, aten.sort.default}
-
-
 def _chosen_among(ids: Node) -> int | None:
-    """W when every id is the index of a choice among W columns made in this graph (top-k, max, argmax
-    over the last dim of a [.., W] tensor, through casts and views), so each lies in 0..W-1; else None."""
-    node = strip_shape_ops(strip_casts(strip_shape_ops(ids)))
-    if is_getitem(node, 1) and is_call(node.args[0], *_CHOICES):
-        choice = node.args[0]
-    elif is_call(node, aten.argmax.default, aten.argmin.default):
-        choice = node
-    else:
-        return None
-    scores = choice.args[0]
-    at, default = (2, -1) if is_call(choice, aten.topk.default) else (1, -1 if is_call(choice, aten.sort.default) else None)
-    dim = choice.args[at] if len(choice.args) > at else choice.kwargs.get("dim", default)
-    dims = shape(scores) if isinstance(scores, Node) else None
-    if not dims or not isinstance(dim, int) or dim not in (-1, len(dims) - 1):
-        return None
-    return const_int(dims[-1])
+    """W when every id is the index of a choice among W columns made in this graph (through casts and
+    views), so each lies in 0..W-1; else None."""
+    return choice_width(strip_shape_ops(strip_casts(strip_shape_ops(ids))))
 
 
 def _routing_width(ids: Node) -> int | None:

@@ -48,7 +48,7 @@ from .expert_terms import ExpertTerm, is_zero_init, match_terms, no_mlp_reason, 
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch, NoMatch
 from .mlp import same_value
-from .slots import repeat_interleaved
+from .slots import repeat_interleaved, same_shape, same_size
 
 aten = torch.ops.aten
 FORM = "sparse_loop"
@@ -451,13 +451,13 @@ def _scaled_after(out: Node) -> tuple[Node, Node] | None:
         product = next(iter(viewed.users))
         viewed_shape = shape(viewed)
         if not (len(out_shape or ()) == 2 and len(viewed_shape or ()) >= 3
-                and statically_known_true(viewed_shape[-1] == out_shape[-1]) and is_call(product, aten.mul.Tensor)):
+                and same_size(viewed_shape[-1], out_shape[-1]) and is_call(product, aten.mul.Tensor)):
             return None
         weight = product.args[1] if product.args[0] is viewed else product.args[0]
         weight_shape = shape(weight) if isinstance(weight, Node) else None
         if (weight is viewed or weight_shape is None or len(weight_shape) != len(viewed_shape)
                 or const_int(weight_shape[-1]) != 1
-                or not all(statically_known_true(a == b) for a, b in zip(weight_shape[:-1], viewed_shape[:-1], strict=True))):
+                or not same_shape(weight_shape[:-1], viewed_shape[:-1])):
             return None
         return product, weight
     if not is_call(product, aten.mul.Tensor) or not all(isinstance(a, Node) for a in product.args[:2]):
