@@ -238,19 +238,20 @@ def _is_one_hot(expr: ast.AST, assignments: dict, seen: frozenset[str] = frozens
         return False
 
 
-def _reduced_dims(call: ast.Call) -> tuple[int, ...] | None:
-    """The constant `dim` of `M.sum(dim)` / `M.any(dim)` when it never names dim 0."""
+def _constant_dims(call: ast.Call) -> tuple[int, ...] | None:
+    """The constant dims a reduction names (`M.sum(dim)`, `M.any(dim=(1, 2))`), as written; else None."""
     dim = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "dim"), None)
     if dim is None:
         return None
     elements = dim.elts if isinstance(dim, ast.Tuple | ast.List) else [dim]
-    dims = []
-    for element in elements:
-        value = ast.literal_eval(element) if isinstance(element, ast.Constant | ast.UnaryOp) else None
-        if not isinstance(value, int) or value == 0:
-            return None
-        dims.append(value)
-    return tuple(dims)
+    values = [ast.literal_eval(e) if isinstance(e, ast.Constant | ast.UnaryOp) else None for e in elements]
+    return tuple(values) if all(isinstance(v, int) for v in values) else None
+
+
+def _reduced_dims(call: ast.Call) -> tuple[int, ...] | None:
+    """The constant `dim` of `M.sum(dim)` / `M.any(dim)` when it never names dim 0."""
+    dims = _constant_dims(call)
+    return None if dims is None or 0 in dims else dims
 
 
 def _changed_in_place(fn_def: ast.FunctionDef) -> frozenset[str]:
@@ -450,10 +451,10 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
         counts = found[0].id
         if not _assigns_name(count_stmt, counts):
             continue
-        mask, summed = _column_sums(count_stmt.value, fn_def)
-        ndim = _mask_rank(fn_def, mask, count_stmt.lineno) if mask is not None else None
-        if mask is None or mask not in boolean or ndim is None or (summed and summed != ndim):
-            continue  # the counts are the column sums only of a mask of the rank the method unpacks
+        summed = _column_sums(count_stmt.value, fn_def, count_stmt.lineno)
+        if summed is None or summed[0] not in boolean:
+            continue
+        mask, ndim = summed
         var = loop.target.id
         columns = [n for n in ast.walk(loop) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
                    and n.value.id == mask]
@@ -462,9 +463,9 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
             continue
         after = hit_stmt.end_lineno or hit_stmt.lineno
         later = [n for n in walk_function(fn_def) if getattr(n, "lineno", 0) > after]
-        if any(isinstance(n, ast.Name) and n.id in (mask, counts, hit_name.id) and not isinstance(n.ctx, ast.Load)
-               for n in later) or any(changes_in_place(n, mask) for n in later if isinstance(n, ast.stmt)):
-            continue  # bound or changed after the hit list: the loop may read other values
+        if any(isinstance(n, ast.Name) and n.id in (counts, hit_name.id) and not isinstance(n.ctx, ast.Load)
+               for n in later):
+            continue  # bound again after the hit list (M cannot be: `_shape_unpacked`)
         if sum(1 for n in later if isinstance(n, ast.Name) and n.id == hit_name.id) != 1:
             continue  # the hit list is read by the loop alone
         moved = f"{_COLUMNS}_{mask}"
@@ -483,10 +484,10 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
     ast.fix_missing_locations(fn_def)
 
 
-def _mask_rank(fn_def: ast.FunctionDef, mask: str, before: int) -> int | None:
-    """M's number of dims where the method unpacks its shape (`b, s, E = M.shape`, which raises for any
-    other rank) after M's last binding and before line `before`, with nothing changing M in place from
-    there; else None."""
+def _shape_unpacked(fn_def: ast.FunctionDef, mask: str, before: int) -> ast.Assign | None:
+    """The statement of the method's own block that unpacks M's shape (`b, s, E = M.shape`, which raises
+    for any other rank: its names give M's rank) after M's last binding and before line `before`, with
+    nothing changing M in place from there; else None."""
     bound = bindings(fn_def).get(mask, [])
     last = max((b.lineno for b in bound), default=0)
     for stmt in fn_def.body:
@@ -497,7 +498,7 @@ def _mask_rank(fn_def: ast.FunctionDef, mask: str, before: int) -> int | None:
                 and ast.unparse(stmt.value) in (f"{mask}.shape", f"{mask}.size()")):
             changed = any(changes_in_place(n, mask) for n in walk_function(fn_def)
                           if isinstance(n, ast.stmt) and getattr(n, "lineno", 0) > stmt.lineno)
-            return None if changed else len(target.elts)
+            return None if changed else stmt
     return None
 
 
@@ -506,61 +507,50 @@ def _assigns_name(stmt: ast.stmt, name: str) -> bool:
             and stmt.targets[0].id == name)
 
 
-def _column_sums(value: ast.AST, fn_def: ast.FunctionDef) -> tuple[str | None, int]:
-    """(M, M's number of dims or 0 where not written) when `value` sums a name M over every dim but the
-    last: `M.reshape(N, E).sum(dim=0)` (also `view`, `sum(0)`) with E M's last size (`M.shape[-1]`,
-    `M.size(-1)`, or a name unpacked last from `M.shape`), or `M.sum(dim=(0, ..., n - 2))`. The caller
-    checks n against the rank the method unpacks (`_mask_rank`)."""
+def _column_sums(value: ast.AST, fn_def: ast.FunctionDef, line: int) -> tuple[str, int] | None:
+    """(M, M's rank) when `value`, at `line`, sums a name M over every dim but the last, the rank being the
+    one the method unpacks before it (`_shape_unpacked`): `M.reshape(N, E).sum(dim=0)` (also `view`,
+    `sum(0)`) with E M's last size (`M.shape[-1]`, `M.size(-1)`, or the last name of that unpacking), or
+    `M.sum(dim=(0, ..., rank - 2))`; else None."""
     if not (call_name(value) == "sum" and isinstance(value.func, ast.Attribute)):
-        return None, 0
+        return None
     dims = _reduced_dims_of(value)
     viewed = value.func.value
-    if (call_name(viewed) in ("reshape", "view") and isinstance(viewed.func, ast.Attribute)
-            and isinstance(viewed.func.value, ast.Name) and len(viewed.args) == 2 and dims == (0,)):
-        mask = viewed.func.value.id
-        return (mask, 0) if _last_size_of(viewed.args[1], mask, fn_def) else (None, 0)
-    if isinstance(viewed, ast.Name) and dims is not None and len(dims) >= 1 and dims == tuple(range(len(dims))):
-        return viewed.id, len(dims) + 1
-    return None, 0
+    summed = viewed.func.value if call_name(viewed) in ("reshape", "view") and isinstance(
+        viewed.func, ast.Attribute) else viewed
+    unpacked = _shape_unpacked(fn_def, summed.id, line) if isinstance(summed, ast.Name) else None
+    if unpacked is None:
+        return None
+    rank = len(unpacked.targets[0].elts)
+    if summed is not viewed:
+        flat_columns = len(viewed.args) == 2 and dims == (0,) and _last_size_of(viewed.args[1], summed.id, unpacked, fn_def)
+        return (summed.id, rank) if flat_columns else None
+    return (summed.id, rank) if dims == tuple(range(rank - 1)) and rank >= 2 else None
 
 
 def _reduced_dims_of(call: ast.Call) -> tuple[int, ...] | None:
-    """The constant dims a `sum` reduces (`sum(0)`, `sum(dim=(0, 1))`), else None; no other argument."""
-    if len(call.args) + len(call.keywords) != 1 or (call.keywords and call.keywords[0].arg != "dim"):
-        return None
-    dim = call.args[0] if call.args else call.keywords[0].value
-    items = dim.elts if isinstance(dim, ast.Tuple | ast.List) else [dim]
-    if not all(isinstance(i, ast.Constant) and isinstance(i.value, int) and i.value >= 0 for i in items):
-        return None
-    return tuple(sorted(i.value for i in items))
+    """The constant dims a `sum` reduces (`sum(0)`, `sum(dim=(0, 1))`), sorted, none negative; else None.
+    No other argument."""
+    dims = _constant_dims(call) if len(call.args) + len(call.keywords) == 1 else None
+    return tuple(sorted(dims)) if dims is not None and all(d >= 0 for d in dims) else None
 
 
-def _last_size_of(size: ast.AST, mask: str, fn_def: ast.FunctionDef) -> bool:
-    """`size` is M's last size: `M.shape[-1]`, `M.size(-1)`, or a name bound once by unpacking `M.shape`
-    (`b, s, E = M.shape`) at its last position."""
-    if isinstance(size, ast.Subscript) and ast.unparse(size) == f"{mask}.shape[-1]":
+def _last_size_of(size: ast.AST, mask: str, unpacked: ast.Assign, fn_def: ast.FunctionDef) -> bool:
+    """`size` is M's last size: `M.shape[-1]`, `M.size(-1)`, or the last name of the statement that
+    unpacks M's shape (`b, s, E = M.shape`), bound there alone."""
+    if ast.unparse(size) in (f"{mask}.shape[-1]", f"{mask}.size(-1)"):
         return True
-    if ast.unparse(size) == f"{mask}.size(-1)":
-        return True
-    if not isinstance(size, ast.Name):
-        return False
-    bound = bindings(fn_def).get(size.id, [])
-    if len(bound) != 1 or not isinstance(bound[0], ast.Assign) or len(bound[0].targets) != 1:
-        return False
-    target, value = bound[0].targets[0], bound[0].value
-    return (isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[-1], ast.Name)
-            and target.elts[-1].id == size.id and not any(isinstance(e, ast.Starred) for e in target.elts)
-            and ast.unparse(value) == f"{mask}.shape")
+    return (isinstance(size, ast.Name) and size.id == unpacked.targets[0].elts[-1].id
+            and bindings(fn_def).get(size.id, []) == [unpacked])
 
 
 def _column_at(index: ast.AST, var: str, ndim: int) -> bool:
-    """`[:, ..., :, var]`: full slices over every dim but the last (as many as `ndim` - 1 where known),
-    the loop variable last."""
+    """`[:, ..., :, var]`: `ndim` - 1 full slices, then the loop variable."""
     if not isinstance(index, ast.Tuple) or len(index.elts) < 2:
         return False
     *leading, last = index.elts
     full = all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None for e in leading)
-    return full and isinstance(last, ast.Name) and last.id == var and (ndim == 0 or len(leading) == ndim - 1)
+    return full and isinstance(last, ast.Name) and last.id == var and len(leading) == ndim - 1
 
 
 def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
