@@ -187,6 +187,32 @@ def _routing_declines(report):
     return [d for d in report.declined if d.form == "routing"]
 
 
+class MaxRoutedIntoTransposedBuffer(torch.nn.Module):
+    """Top-1 by `max` (Switch Transformers' choice), experts stored through a [B, S] mask into a buffer laid
+    out [S, B, H] (not contiguous as [B, S, H]): no view flattens its rows, so no finder reads the stores."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(SeparateGatedExpert() for _ in range(E))
+
+    def forward(self, x):  # [B, S, H]
+        probs, chosen = self.router(x).softmax(-1).max(dim=-1, keepdim=True)
+        mask = F.one_hot(chosen.squeeze(-1), E).bool()
+        out = x.new_zeros(x.shape[1], x.shape[0], H).transpose(0, 1)
+        for e in range(E):
+            out[mask[:, :, e]] = self.experts[e](x[mask[:, :, e]])
+        return probs * out
+
+
+class GreedyMaxHead(GreedyHead):
+    """Greedy decoding by `max` over the vocabulary: the ids are tokens."""
+
+    def forward(self, x):
+        _, token = self.head(x).max(dim=-1)
+        return x * (token == 3).unsqueeze(-1)
+
+
 def _run(model, *inputs):
     torch.manual_seed(0)
     model = model.eval()
@@ -211,8 +237,15 @@ def test_a_neuron_mask_picked_by_a_top_k_is_named_with_its_table_lookup():
     assert "embedding" in declined.stopped_at
 
 
+def test_a_router_choosing_by_max_is_named_where_no_finder_reads_its_stores():
+    report = _run(MaxRoutedIntoTransposedBuffer(), torch.randn(2, 5, H))
+    assert not report.fused, str(report)
+    (declined,) = _routing_declines(report)
+    assert "max of 4" in declined.reason and "one_hot" in declined.reason, declined
+
+
 def test_sampling_greedy_decoding_sparse_attention_and_token_picks_are_not_taken_for_routers():
-    for model in (SamplingHead(), GreedyHead(), TopkAttention(), TokenChoiceByLayer(), SparseCode(),
+    for model in (SamplingHead(), GreedyHead(), GreedyMaxHead(), TopkAttention(), TokenChoiceByLayer(), SparseCode(),
                   CodebookLookup(), BeamEnd(), ExpertsChooseTokens()):
         report = _run(model, torch.randn(5, H))
         assert not _routing_declines(report) and not report.fused, str(report)

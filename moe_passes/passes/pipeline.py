@@ -361,7 +361,8 @@ def _nested(a: str, b: str) -> bool:
 
 
 def _unread_reason(unread: UnreadRouting) -> str:
-    chose = "top-" + str(unread.top_k) if unread.choice.target is torch.ops.aten.topk.default else "argmax"
+    chose = {torch.ops.aten.topk.default: f"top-{unread.top_k}", torch.ops.aten.max.dim: "max"}.get(
+        unread.choice.target, "argmax")
     where = source_line(unread.choice)
     return (
         f"a router chooses experts ({chose} of {unread.experts}{', at ' + where if where else ''}), but no expert "

@@ -63,7 +63,7 @@ class UnreadRouting:
     """A router whose choices no finder read: the op that chose, how many of how many, and the first op
     that reads the choices as expert numbers (the construct the finders do not follow)."""
 
-    choice: Node  # the topk / argmax node
+    choice: Node  # the topk / argmax / max node
     experts: int
     top_k: int
     reader: Node
@@ -104,7 +104,7 @@ def unread_routings(graph: torch.fx.Graph, read: set[Node]) -> list[UnreadRoutin
 
 
 def _choices(graph: torch.fx.Graph):
-    """(choice op, ids node, experts, k) for each top-k / argmax over the last dim of a gate's scores."""
+    """(choice op, ids node, experts, k) for each top-k / argmax / max over the last dim of a gate's scores."""
     for node in graph.find_nodes(op="call_function", target=aten.topk.default):
         dims = shape(node.args[0])
         k = const_int(node.args[1])
@@ -115,13 +115,15 @@ def _choices(graph: torch.fx.Graph):
         ids = next((u for u in node.users if is_getitem(u, 1)), None)
         if ids is not None and _scores_of_a_gate(node.args[0], experts):
             yield node, ids, experts, k
-    for node in graph.find_nodes(op="call_function", target=aten.argmax.default):
+    for node in (*graph.find_nodes(op="call_function", target=aten.argmax.default),
+                 *graph.find_nodes(op="call_function", target=aten.max.dim)):
         dims = shape(node.args[0])
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         experts = const_int(dims[-1]) if dims else None
-        if experts is not None and experts > 1 and dim in (-1, len(dims) - 1) and len(dims) > 1 and (
+        ids = node if node.target is aten.argmax.default else next((u for u in node.users if is_getitem(u, 1)), None)
+        if ids is not None and experts is not None and experts > 1 and dim in (-1, len(dims) - 1) and len(dims) > 1 and (
                 _scores_of_a_gate(node.args[0], experts)):
-            yield node, node, experts, 1
+            yield node, ids, experts, 1
 
 
 def _scores_of_a_gate(scores: Node, experts: int, depth: int = 8) -> bool:
