@@ -9,7 +9,14 @@ import torch
 
 from form_catalog import catalog, dynamo_config
 from moe_passes import weight_stacks
-from tests.helpers import assert_close_for_dtype, eager_output, run_hpu_moe, skip_unless_dynamo_slices_for
+from tests import loop_models
+from tests.helpers import (
+    assert_close_for_dtype,
+    backward_like_eager,
+    eager_output,
+    run_hpu_moe,
+    skip_unless_dynamo_slices_for,
+)
 
 FORMS = catalog()
 FUSED = sorted(n for n, f in FORMS.items() if f.EXPECTED.fused)
@@ -146,6 +153,40 @@ def test_deepseek_routing_is_reported_and_its_weights_reach_the_call_scaled():
         "sigmoid_topk, bias-corrected, grouped, renormalised, scaled x2.5"
     }, str(report)
     assert_close_for_dtype(output, eager_output(model, inputs))
+
+
+class DenseLoopThenSharedThroughViews(torch.nn.Module):
+    """optimum-habana's DeepSeek-V2 training branch: every expert on every token, weighted by a scattered
+    [E, B, S, 1] table, the sum viewed back to [B, S, H], then a shared expert added on the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(loop_models.H, loop_models.E, bias=False)
+        self.experts = torch.nn.ModuleList(loop_models.SeparateGatedExpert() for _ in range(loop_models.E))
+        self.shared = loop_models.SeparateGatedExpert()
+
+    def forward(self, x):
+        b, s, h = x.shape
+        flat = x.view(-1, h)
+        weights, ids = self.router(flat).softmax(-1).topk(2)
+        padded = torch.zeros(b * s, len(self.experts)).scatter(-1, ids, weights)
+        padded = padded.reshape(-1, s, len(self.experts)).permute(2, 0, 1).unsqueeze(-1)
+        out = torch.zeros(b, s, h)
+        for i, expert in enumerate(self.experts):
+            out = out + expert(flat).reshape(-1, s, h) * padded[i]
+        return out.view(b, s, h) + self.shared(x)
+
+
+def test_a_shared_expert_added_through_views_stays_beside_the_fused_dense_loop():
+    torch.manual_seed(0)
+    model, x = DenseLoopThenSharedThroughViews(), torch.randn(2, 3, loop_models.H)
+    report, output, recorder = run_hpu_moe(model, (x,))
+    assert len(recorder.fused_nodes()) == 1 and not report.declined, str(report)
+    (graph,) = recorder.graphs
+    assert len([n for n in graph.graph.nodes if n.target is torch.ops.aten.mm.default]) == 3 + 1, graph.code
+    assert_close_for_dtype(output, eager_output(model, (x,)))
+    training = backward_like_eager(model.train(), (x,))  # optimum-habana runs this branch in training
+    assert len(training.fused) == 1, str(training)
 
 
 def test_shared_experts_stay_beside_the_fused_call():

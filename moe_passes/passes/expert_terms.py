@@ -11,6 +11,7 @@ probe routing tensors (probe.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -511,6 +512,25 @@ def _coefficient_value(term: ExpertTerm, env: dict) -> torch.Tensor:
     return value
 
 
+def _dense_weight(term: ExpertTerm, env: dict, tokens: int, width: int) -> torch.Tensor | None:
+    """A dense term's weight per token: the coefficient against the MLP's [T, H] output, or against the
+    product's own shape where the output was viewed with the tokens split over leading dims first
+    (`y.reshape(B, S, H) * c[B, S, 1]`: row-major, so its rows are the output's rows in order)."""
+    value = _coefficient_value(term, env)
+    shapes = [term.mlp_out.meta["val"].shape]
+    product = term.term.meta.get("val")
+    if isinstance(product, torch.Tensor) and product.dim() > 2:
+        shapes.append(product.shape)
+    for out_shape in shapes:
+        out_shape = tuple(int(d) for d in probe.concrete_args(tuple(out_shape), {}))
+        if out_shape[-1] != width or math.prod(out_shape) != tokens * width:
+            continue
+        per_token = _token_axis_values(value, out_shape, tokens)
+        if per_token is not None:
+            return per_token
+    return None
+
+
 def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor | None:
     """The weight each token's MLP output gets from `term` under one probe ([T]), or None.
 
@@ -519,8 +539,7 @@ def _per_token_weight(term: ExpertTerm, env: dict, tokens: int) -> torch.Tensor 
     """
     width = probe.concrete(term.mlp_out.meta["val"].shape[-1])
     if term.rows is None:
-        out_shape = tuple(int(d) for d in probe.concrete_args(tuple(term.mlp_out.meta["val"].shape), {}))
-        return _token_axis_values(_coefficient_value(term, env), out_shape, tokens)
+        return _dense_weight(term, env, tokens, int(width))
     rows = _row_indices(env[term.rows])
     if term.slots_per_token is not None:
         k = term.slots_per_token
@@ -635,7 +654,7 @@ def _assign_from_padded(scatter: Node, padded: Node, terms, slices):
     tokens, width = (int(probe.concrete(d)) for d in shape(base))
     if tokens == 0:
         return NoMatch(EMPTY_BATCH)
-    if not isinstance(weights, Node) or shape(ids) != shape(weights):
+    if not isinstance(weights, Node) or not same_shape(shape(ids), shape(weights)):
         return NoMatch("routing ids and weights differ in shape")
     # Dense tables tell every column apart; tables of top-k routings (zero off the chosen experts) show
     # what a mask read from the table selects (`gates[:, e] > 0`), which a dense table selects everywhere
@@ -713,7 +732,7 @@ def _through_views(ids: Node, weights: Node) -> tuple[Node, Node, dict]:
     """(ids, weights, views): where the loop reads views of the [T, k] routing (DeepSeek-MoE's flat
     `weight.view(-1, 1)`), the routing tensors they view, and {role: (view, base, the nodes between)}."""
     views = {}
-    if shape(ids) != shape(weights):
+    if not same_shape(shape(ids), shape(weights)):
         for name, node in (("ids", ids), ("weights", weights)):
             base = strip_shape_ops(node)
             if base is not node and len(shape(base) or ()) in (1, 2):  # [T, k], or [T] for top-1

@@ -178,7 +178,7 @@ def _match_slot_sum(out: Node, top_k: int, down: StackedLinear, slot_weights: No
     rows_read = SlotAlgebra(ids, top_k).hidden_rows(tail.rows)
     if rows_read is None or (rows_read.domain, rows_read.slot) != (SLOTS, ()):
         return no("the batched rows are not the tokens repeated k times (repeat_interleave)", tail.rows)
-    if weights is None or shape(weights) != shape(ids):
+    if weights is None or not same_shape(shape(weights), shape(ids)):
         return no(IDS_WEIGHTS_SHAPES, down.chosen_by)
     return ExpertsMatch(
         form=FORM,
@@ -239,7 +239,7 @@ def _match_routed_rows(out: Node) -> ExpertsMatch | Decline | None:
     stacks = expert_weights(tail, None)
     if isinstance(stacks, NoMatch):
         return stacks.decline(FORM, out, down.stack)
-    if shape(weights) != shape(ids):
+    if not same_shape(shape(weights), shape(ids)):
         return no(IDS_WEIGHTS_SHAPES, down.chosen_by)
     return ExpertsMatch(
         form=FORM,

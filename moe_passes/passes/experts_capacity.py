@@ -34,7 +34,7 @@ from .axes import contraction, frontier
 from .expert_terms import ExpertTerm, first_no_match, no_mlp_reason, one_activation, read_term, role_weights
 from .finder import Finder, each_anchor
 from .matches import Decline, ExpertsMatch, NoMatch, unprobeable
-from .slots import same_size
+from .slots import same_shape, same_size
 
 aten = torch.ops.aten
 FORM = "capacity_dispatch"
@@ -274,8 +274,8 @@ def _routing(combine: Node, dispatch: Node) -> tuple[Node, Node, bool, list[Node
         return NoMatch(f"the slot assignment does not derive from one ids and one weights tensor (it reads {names})", combine)
     ids, weights = routing
     tokens = shape(combine)[0]
-    at_ids = len(shape(weights)) == 2 and shape(weights) != shape(ids)
-    if len(shape(ids)) not in (1, 2) or not same_size(shape(ids)[0], tokens) or (shape(weights) != shape(ids) and not at_ids):
+    at_ids = len(shape(weights)) == 2 and not same_shape(shape(weights), shape(ids))
+    if len(shape(ids)) not in (1, 2) or not same_size(shape(ids)[0], tokens) or (not same_shape(shape(weights), shape(ids)) and not at_ids):
         return NoMatch("the slot assignment's ids and weights are not [S, k] routing tensors", ids)
     order = {n: i for i, n in enumerate(combine.graph.nodes)}
     return ids, weights, at_ids, sorted(nodes, key=order.__getitem__)

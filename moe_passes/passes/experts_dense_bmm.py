@@ -34,6 +34,7 @@ from .matches import (
     unprobeable,
 )
 from .mlp import stacked_gate, stacked_weight
+from .slots import same_shape
 
 aten = torch.ops.aten
 FORM = "dense_bmm"
@@ -220,7 +221,7 @@ def match_at(out: Node) -> ExpertsMatch | Decline | None:
     if table is None:
         return no("the expert outputs are not weighted by a [T, E] table scattered from top-k", coefficient)
     ids, weights = strip_shape_ops(table.args[2]), strip_shape_ops(table.args[3])
-    if not isinstance(weights, Node) or shape(ids) != shape(weights) or len(shape(ids)) != 2:
+    if not isinstance(weights, Node) or not same_shape(shape(ids), shape(weights)) or len(shape(ids)) != 2:
         return no(IDS_WEIGHTS_SHAPES, table)
     if const_int(shape(table)[1]) != experts or const_int(shape(table)[0]) != const_int(shape(hidden)[0]):
         return no("the routing table is not [tokens, experts held]", table)

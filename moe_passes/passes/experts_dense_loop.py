@@ -107,7 +107,10 @@ def match_accumulation(accumulation: Accumulation) -> ExpertsMatch | Decline:
     if isinstance(result, ExpertsMatch) or not is_call(root, aten.add.Tensor):
         return result
     inner, last = root.args[0], root.args[1]
-    if not (isinstance(inner, Node) and isinstance(last, Node)) or last not in terms:
+    if not (isinstance(inner, Node) and isinstance(last, Node)):
+        return result
+    last = next((t.term for t in members if t.term in (last, strip_casts(last))), None)  # as the add tree read it
+    if last is None:
         return result
     rest = [t for t in members if t.term is not last]
     if len(rest) != len(members) - 1 or len(rest) < 2:

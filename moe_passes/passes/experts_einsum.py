@@ -41,7 +41,7 @@ from .matches import (
     unsupported_activation,
 )
 from .mlp import activation_of, clamped_swiglu, gated_product
-from .slots import same_size
+from .slots import same_shape, same_size
 
 aten = torch.ops.aten
 FORM = "gathered_einsum"
@@ -79,7 +79,7 @@ def _biased_combine(leaves: list[Node] | None) -> tuple[Node, Node] | None:
     for biased, table in (leaves, leaves[::-1]):
         _, bias, ids = with_bias(biased)
         if bias is not None and len(shape(table) or ()) == 2 and val(table).is_floating_point() and (
-                shape(table) == shape(ids)):
+                same_shape(shape(table), shape(ids))):
             return biased, table
     return None
 
@@ -103,7 +103,7 @@ def match_at(anchor: Node) -> ExpertsMatch | Decline | None:
     hidden_act = next((o for o in others if o is not table), None)
     if table is None and _adds_gathered_bias(out, ids):
         return None  # GPT-OSS's reference: the combine after the bias is the candidate (`_match_biased`)
-    if table is None or shape(table) != shape(ids):
+    if table is None or not same_shape(shape(table), shape(ids)):
         return no("the per-slot expert outputs are not summed with a [T, k] table of routing weights", out)
     slot_leaves = {table: ("t", "a"), hidden_act: _slot_labels(hidden_act, "i")}
     down = _projection(out, slot_leaves, stacks[0], "i", "o", summed_slots=top_k > 1)

@@ -45,7 +45,17 @@ from .expert_terms import ExpertTerm, first_no_match, is_zero_init, no_mlp_reaso
 from .finder import Candidate, Finder
 from .matches import IDS_WEIGHTS_SHAPES, MIXED_GATE_UP, Decline, ExpertsMatch, NoMatch, unprobeable
 from .mlp import GATE_SECOND, activation_of, gate_second, gated_product, halves, projection
-from .slots import INPUT_SCALED, Combine, IndexMap, Rows, SlotAlgebra, SlotCombines, gather_parts, sorted_ids
+from .slots import (
+    INPUT_SCALED,
+    Combine,
+    IndexMap,
+    Rows,
+    SlotAlgebra,
+    SlotCombines,
+    gather_parts,
+    same_shape,
+    sorted_ids,
+)
 
 aten = torch.ops.aten
 FORM = "segments"
@@ -438,7 +448,7 @@ def _match(output, terms, hidden, ids, weights, top_k) -> ExpertsMatch | NoMatch
     unread = first_no_match(*roles.values())
     if unread is not None:
         return unread
-    if shape(ids) != shape(weights):
+    if not same_shape(shape(ids), shape(weights)):
         return NoMatch(IDS_WEIGHTS_SHAPES, weights)
     return ExpertsMatch(
         form=FORM,

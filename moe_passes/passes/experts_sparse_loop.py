@@ -202,7 +202,7 @@ def _broadcast_rows(index: object, source: object) -> Node | None:
     """r when a scatter index is the 1-D rows r repeated along the hidden dim (`r.view(-1, 1).repeat(1,
     H)` or `.expand(-1, H)`, the shape of a 2-D source): scattering along dim 0 with it adds source row i
     into row r[i], as `index_add(0, r, source)` does."""
-    if not is_call(index, aten.repeat.default, aten.expand.default) or shape(index) != shape(source):
+    if not is_call(index, aten.repeat.default, aten.expand.default) or not same_shape(shape(index), shape(source)):
         return None
     column = index.args[0]
     column_shape, index_shape = shape(column), shape(index)

@@ -24,6 +24,7 @@ from .combines import picked_outputs, table_labels
 from .expert_terms import match_terms, reads_as_mlp, weighted_output
 from .finder import Candidate, Finder
 from .matches import Decline, ExpertsMatch
+from .slots import same_shape
 
 aten = torch.ops.aten
 
@@ -84,7 +85,7 @@ def _read_combine(root: Node) -> StackedCombine | None:
             outputs = _stacked(picked[0], 1)
             weights = _unsqueezed_last(b)
             ids = picked[1]
-            if outputs is not None and weights is not None and shape(weights) == shape(ids):
+            if outputs is not None and weights is not None and same_shape(shape(weights), shape(ids)):
                 return StackedCombine(root, outputs, ids=ids, weights=weights)
         outputs = _stacked(a, 1)
         labelled = table_labels(b)

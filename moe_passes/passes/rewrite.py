@@ -91,7 +91,7 @@ def _sizes_for(emit: Emitter, output: Node, hidden: Node) -> list:
     if len(symbolic) == 1:
         sizes[symbolic[0]] = -1
     elif symbolic:
-        if shape(hidden) != shape(output):
+        if not same_shape(shape(hidden), shape(output)):
             raise ValueError("the region's output has several symbolic sizes unlike the hidden states")
         for i in symbolic:
             sizes[i] = emit.call(aten.sym_size.int, (hidden, i))
