@@ -23,7 +23,7 @@ _spec.loader.exec_module(corpus_tool)
 # Measured on torch 2.13 (the development wheel); docs/corpus/after*.md hold the tables, torch 2.9 included.
 PINNED_ON = (2, 13)
 OUTCOMES = {
-    "afmoe_trinity": "not captured",
+    "afmoe_trinity": "fused",
     "arctic_moe": "fused",
     "aria_moe": "fused",
     "bailing_moe": "fused",
@@ -101,7 +101,7 @@ OUTCOMES = {
     "olmo_core_moe": "not captured",
     "openmoe": "declined",
     "opennmt_moe": "declined",
-    "optimum_habana_moe": "declined",
+    "optimum_habana_moe": "fused",
     "phi35_moe": "fused",
     "pytorch_mixtures_expert_choice": "declined",
     "rasbt_gpt_moe": "fused",

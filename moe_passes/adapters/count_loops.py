@@ -171,10 +171,13 @@ def _calls_submodule(node: ast.AST) -> bool:
 
 
 def _counts_iterated(loop: ast.For) -> ast.AST | None:
-    """C for `for n in C` or `for i, n in enumerate(C)`."""
-    if call_name(loop.iter) == "enumerate" and isinstance(loop.iter.func, ast.Name) and len(loop.iter.args) == 1:
-        return loop.iter.args[0]
-    return loop.iter
+    """C for `for n in C` or `for i, n in enumerate(C)`, C maybe read through a host copy (`C.tolist()`,
+    `C.cpu().numpy()`: the same numbers)."""
+    iterated = loop.iter
+    if call_name(iterated) == "enumerate" and isinstance(iterated.func, ast.Name) and len(iterated.args) == 1:
+        iterated = iterated.args[0]
+    copied = tolist_of(iterated)
+    return ast.Name(copied, ast.Load()) if copied is not None else iterated
 
 
 def _count_variable(loop: ast.For) -> str | None:
@@ -230,7 +233,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
         raise NotAdaptable(f"line {loop.lineno}: the loop over the counts has an else")
     # Bindings before the guard run for an empty expert too; the proof below covers the whole body.
     body = loop.body[:guard] + loop.body[guard + 1:]
-    lists, bound = _appends_and_bindings(body, n)
+    sinks, bound = _sinks_and_bindings(body, n)
     carried = _carried(body, bound)
     ends = {name for name, value in _simple_bindings(body) if _is_sum_with(value, n, carried)}
     for name in carried:
@@ -248,27 +251,15 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
                 found.extend(computed_with(earlier[-1][1], earlier[-1][0], depth + 1))
         return found
 
+    callees = Callees(fn_def, namespace, owner)  # the function's scope, read once for every sink
     positions = {stmt.lineno: i for i, stmt in enumerate(body)}
-    callees = Callees(fn_def, namespace, owner)  # the function's scope, read once for every append
-    for line, listed, value in lists:
-        sources = computed_with(value, positions[line])
-        if not any(_cuts_between(part, carried, ends) for source in sources for part in ast.walk(source)):
-            raise NotAdaptable(
-                f"line {line}: what is appended to {listed} is not computed from the rows cut between the "
-                "running offset and offset + count"
-            )
-        dropping = next(filter(None, (row_dropping(source, callees) for source in sources)), None)
-        if dropping is not None:
-            raise NotAdaptable(
-                f"line {line}: what is appended to {listed} goes through {dropping}, which may leave a value "
-                "with rows when the cut has none (an expert with no rows would add it to the cat the skip kept it "
-                "out of)"
-            )
-    _check_reads_after(loop, fn_def, bound - carried, {listed for _, listed, _ in lists})
-    # every call but the appends acts only through its value (a helper storing a statistic of the rows on
-    # the module would store one for an expert with none)
+    for sink in sinks:
+        _check_sink(sink, computed_with(sink.value, positions[sink.line]), carried, ends, callees)
+    _check_reads_after(loop, fn_def, bound - carried, {s.name for s in sinks if s.target is None})
+    # every call but the sinks' values acts only through its value (a helper storing a statistic of the rows
+    # on the module would store one for an expert with none)
     effects = Callees(fn_def, namespace, owner, effects=True, trusted=callees.trusted)
-    acting = acting_call(body, {id(stmt.value) for stmt in body if _appends_to_a_name(stmt)}, effects)
+    acting = acting_call(body, {id(s.effect if s.effect is not None else s.value) for s in sinks}, effects)
     if acting is not None:
         call, found = acting
         raise NotAdaptable(f"line {call.lineno}: the call `{ast.unparse(call)[:50]}` in the loop over the counts "
@@ -287,17 +278,37 @@ def _guard_index(body: list[ast.stmt], n: str) -> int | None:
     return None
 
 
-def _appends_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[tuple[int, str, ast.expr]], set[str]]:
-    """((line, list, appended value) for each `L.append(v)`, names bound) after checking that the body
-    only binds names and appends to lists defined before the loop."""
-    appends, bound = [], set()
+@dataclasses.dataclass(frozen=True)
+class Sink:
+    """Where the loop's body puts an expert's output: `L.append(v)` (target None), or `B[c:e] = v`, a
+    store into the rows cut between the running offset and offset + count of a buffer made before the loop
+    (empty for an expert with no rows: storing its no rows there changes nothing)."""
+
+    line: int
+    name: str  # the list appended to, or the buffer stored into
+    value: ast.expr
+    target: ast.Subscript | None = None
+    effect: ast.expr | None = None  # the expression that puts the value there (`L.append(v)`, else v itself)
+
+    def described(self) -> str:
+        return f"what is appended to {self.name}" if self.target is None else f"what is stored into {self.name}"
+
+
+def _sinks_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[Sink], set[str]]:
+    """(the appends and slice stores, names bound) after checking that the body only binds names, appends
+    to lists and stores into slices of buffers defined before the loop."""
+    sinks, bound = [], set()
     for stmt in body:
+        if _stores_into_a_slice(stmt):
+            sinks.append(Sink(stmt.lineno, stmt.targets[0].value.id, stmt.value, stmt.targets[0]))
+            continue
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
             names = stored_names(stmt.targets[0])
         elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
             names = [stmt.target.id]
         elif _appends_to_a_name(stmt):
-            appends.append((stmt.lineno, stmt.value.func.value.id, stmt.value.args[0] if stmt.value.args else None))
+            sinks.append(Sink(stmt.lineno, stmt.value.func.value.id, stmt.value.args[0] if stmt.value.args else None,
+                              effect=stmt.value))
             continue
         elif isinstance(stmt, ast.Pass):
             continue
@@ -305,15 +316,43 @@ def _appends_and_bindings(body: list[ast.stmt], n: str) -> tuple[list[tuple[int,
             code = ast.unparse(stmt).splitlines()[0][:60]
             raise NotAdaptable(
                 f"line {stmt.lineno}: `{code}` in the loop over the counts may act for an expert with no rows; "
-                "only name bindings and list appends may"
+                "only name bindings, list appends and stores into slices may"
             )
         if n in names:
             raise NotAdaptable(f"line {stmt.lineno}: the count {n} is re-bound in the body")
         bound.update(names)
-    for line, listed, value in appends:
-        if listed in bound or value is None:
-            raise NotAdaptable(f"line {line}: the appended-to list {listed} is not defined before the loop")
-    return appends, bound
+    for sink in sinks:
+        if sink.name in bound or sink.value is None:
+            what = "appended-to list" if sink.target is None else "buffer stored into"
+            raise NotAdaptable(f"line {sink.line}: the {what} {sink.name} is not defined before the loop")
+    return sinks, bound
+
+
+def _stores_into_a_slice(stmt: ast.stmt) -> bool:
+    """`B[lower:upper] = v` with B a name."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)):
+        return False
+    target = stmt.targets[0]
+    return isinstance(target.value, ast.Name) and isinstance(target.slice, ast.Slice)
+
+
+def _check_sink(sink: Sink, sources: list[ast.AST], carried: set[str], ends: set[str], callees: Callees) -> None:
+    """A sink's value is computed from the rows cut between the running offset and offset + count (no rows
+    for an expert with none), through no call that may give rows without any; a store lands on that cut."""
+    if sink.target is not None and not _cuts_between(sink.target, carried, ends):
+        raise NotAdaptable(f"line {sink.line}: the store into {sink.name} is not at the rows cut between the running "
+                           "offset and offset + count")
+    if not any(_cuts_between(part, carried, ends) for source in sources for part in ast.walk(source)):
+        raise NotAdaptable(
+            f"line {sink.line}: {sink.described()} is not computed from the rows cut between the running offset "
+            "and offset + count"
+        )
+    dropping = next(filter(None, (row_dropping(source, callees) for source in sources)), None)
+    if dropping is not None:
+        raise NotAdaptable(
+            f"line {sink.line}: {sink.described()} goes through {dropping}, which may leave a value with rows when "
+            "the cut has none (an expert with no rows would add it where the skip kept it out)"
+        )
 
 
 def _appends_to_a_name(stmt: ast.stmt) -> bool:
@@ -338,6 +377,9 @@ def _carried(body: list[ast.stmt], bound: set[str]) -> set[str]:
     """Names the body reads before binding them in an iteration: values carried between iterations."""
     seen, carried = set(), set()
     for stmt in body:
+        if _stores_into_a_slice(stmt):  # binds no name; reads its value and the bounds it stores at
+            carried |= ((loads(stmt.value) | loads(stmt.targets[0])) & bound) - seen
+            continue
         value = stmt.value if isinstance(stmt, ast.Assign | ast.Expr) else stmt
         carried |= (loads(value) & bound) - seen
         if isinstance(stmt, ast.AugAssign):
@@ -358,6 +400,8 @@ def _is_sum_with(value: ast.AST, n: str, carried: set[str]) -> bool:
 def _check_carried(body: list[ast.stmt], name: str, n: str, ends: set[str]) -> None:
     """Every binding of a carried name in the body leaves it unchanged when n == 0."""
     for stmt in body:
+        if _stores_into_a_slice(stmt):
+            continue
         if isinstance(stmt, ast.AugAssign) and stmt.target.id == name:
             if isinstance(stmt.op, ast.Add) and isinstance(stmt.value, ast.Name) and stmt.value.id == n:
                 continue

@@ -120,7 +120,14 @@ from .host_reads import (
 )
 from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
-from .present_ids import PresentLoop, present_experts, present_loop, present_sequence
+from .present_ids import (
+    PresentLoop,
+    counted_runs_as_counts,
+    expert_one_hot,
+    present_experts,
+    present_loop,
+    present_sequence,
+)
 from .row_maps import REDUCTIONS, Callees, acting_call, still_trusted
 from .source_ast import (
     VIEW_METHODS,
@@ -138,6 +145,7 @@ from .source_ast import (
     moves_itself,
     namespace_of,
     number_read,
+    placed,
     sized_name,
     skip_test,
     span,
@@ -394,7 +402,7 @@ def _squeezed_hits_read_as_numbers(fn_def: ast.FunctionDef, loop: ast.For, bound
     bound.value = ast.copy_location(ast.Call(ast.Attribute(operand, "nonzero", ast.Load()), [], []), value)
     row = f"{_INDEX}_row_{var}"
     loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
-    loop.body[0] = _placed(f"{first.targets[0].id} = int({row}.item())", first)
+    loop.body[0] = placed(f"{first.targets[0].id} = int({row}.item())", first)
     return True
 
 
@@ -470,7 +478,7 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
             continue  # the hit list is read by the loop alone
         moved = f"{_COLUMNS}_{mask}"
         dims = ", ".join(str(d) for d in range(1, ndim))
-        block.insert(at - 1, _placed(f"{moved} = {mask}.movedim(-1, 0)", hit_stmt))
+        block.insert(at - 1, placed(f"{moved} = {mask}.movedim(-1, 0)", hit_stmt))
         hits = f"{_COLUMNS}_hit_{var}"  # a name of its own: the hit list's may also name the counts
         hit_stmt.targets = [ast.copy_location(ast.Name(hits, ast.Store()), hit_stmt.targets[0])]
         hit_stmt.value = ast.copy_location(_parse_expr(f"{moved}.any(dim=({dims},)).nonzero()"), hit_stmt.value)
@@ -479,7 +487,7 @@ def _column_hits_as_rows(fn_def: ast.FunctionDef) -> None:
             column.value = ast.copy_location(ast.Name(moved, ast.Load()), column.value)
             column.slice = ast.copy_location(ast.Name(var, ast.Load()), column.slice)
         row = f"{_INDEX}_row_{var}"
-        loop.body = [_placed(f"{var} = int({row}[0])", loop.body[0]), *loop.body]
+        loop.body = [placed(f"{var} = int({row}[0])", loop.body[0]), *loop.body]
         loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
     ast.fix_missing_locations(fn_def)
 
@@ -588,7 +596,7 @@ def _hit_lists_as_rows(fn_def: ast.FunctionDef) -> None:
         bound[0].value = ast.copy_location(rows, bound[0].value)
         loop.iter = ast.copy_location(ast.Name(hit, ast.Load()), loop.iter)
         row = f"{_INDEX}_row_{loop.target.id}"
-        alias = _placed(f"{loop.target.id} = int({row}[0])", loop.body[0])
+        alias = placed(f"{loop.target.id} = int({row}[0])", loop.body[0])
         loop.target = ast.copy_location(ast.Name(row, ast.Store()), loop.target)
         loop.body = [alias, *loop.body]
     ast.fix_missing_locations(fn_def)
@@ -989,7 +997,7 @@ def _formatted_numbers_as_alias(loop: ast.For) -> None:
         return  # the row or its alias bound again: `var[0]` may be another value where it is formatted
     if alias is None:
         alias = f"{_INDEX}_number_{var}"
-        loop.body.insert(0, _placed(f"{alias} = int({var}[0])", loop.body[0]))
+        loop.body.insert(0, placed(f"{alias} = int({var}[0])", loop.body[0]))
     for value in formatted:
         value.value = ast.copy_location(ast.Name(alias, ast.Load()), value.value)
 
@@ -1741,6 +1749,7 @@ def analyse(fn, owner: type | None = None) -> tuple[ast.FunctionDef, str, Plan]:
     fn_def, filename = function_source(fn)
     _column_hits_as_rows(fn_def)
     _hit_lists_as_rows(fn_def)
+    counted_runs_as_counts(fn_def, _HELPERS)
     link_parents(fn_def)
     assignments = bindings(fn_def)
     namespace = namespace_of(fn)
@@ -2405,7 +2414,7 @@ class _Rewrite(ast.NodeTransformer):
                                     f"{_HELPERS}.out_of({source}, {dim}, {key})"]) + ")"
                 for conditions, source, dim, key in loop.guarded_indexed)
             if past_end:  # rows at which the body indexes past a container: the original never visits them
-                skip = _placed(f"if {every_row} and ({past_end}):\n    continue", first)
+                skip = placed(f"if {every_row} and ({past_end}):\n    continue", first)
                 body = [first, skip, *body[1:]]
         bind = ast.parse(f"{loop.var} = {loop.hit}[{index}]").body[0]
         sized = ", ".join(f"({source}, {dim})" for source, dim in loop.indexed)
@@ -2458,16 +2467,7 @@ def _as_list(visited) -> list:
 
 def _statement(helper: str, at: ast.AST) -> ast.stmt:
     """`<helpers>.<helper>()` as a statement, reported at `at`'s line."""
-    return _placed(f"{_HELPERS}.{helper}()", at)
-
-
-def _placed(source: str, at: ast.AST) -> ast.stmt:
-    """The statement `source`, every node of it reported at `at`'s line (a statement the copy adds)."""
-    stmt = ast.parse(source).body[0]
-    for part in ast.walk(stmt):
-        if isinstance(part, ast.expr | ast.stmt):
-            ast.copy_location(part, at)
-    return stmt
+    return placed(f"{_HELPERS}.{helper}()", at)
 
 
 class _NumericBounds(ast.NodeTransformer):
@@ -2803,6 +2803,7 @@ def _helpers_namespace() -> types.SimpleNamespace:
         capture_scalar_outputs=_capture_scalar_outputs,
         expert_counts=expert_counts,
         present_experts=present_experts,
+        expert_one_hot=expert_one_hot,
     )
 
 

@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from .source_ast import NotAdaptable, call_name, strip_methods
+from .source_ast import NotAdaptable, call_name, loads, placed, strip_methods
 
 # Methods that keep the values of the ids (flattening, host copies) before or after `unique`
 _KEEPS_VALUES = {"flatten", "view", "reshape", "contiguous", "cpu", "tolist", "long", "int"}
@@ -154,3 +154,203 @@ def present_experts(ids: torch.Tensor, count: int) -> int:
                         "an expert id is negative or past the experts: the loop over the ids present runs over "
                         "experts 0..number - 1 under hpu_moe (the original indexed the experts with the id)")
     return count
+
+
+def expert_one_hot(ids: torch.Tensor, count: int) -> torch.Tensor:
+    """The [N, count] one-hot table of the flat ids (its column sums: each expert's count), once the ids are
+    checked to lie in 0..count-1 (`present_experts`)."""
+    flat = ids.reshape(-1).long()
+    return torch.nn.functional.one_hot(flat, present_experts(flat, count))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs of sorted ids with their counts (transformers' first AFMoE)
+#
+#     order = torch.argsort(ids, stable=True)
+#     ids = ids[order]
+#     present, counts = torch.unique_consecutive(ids, return_counts=True)
+#     start = 0
+#     for e, n in zip(present.tolist(), counts.tolist()):
+#         end = start + n
+#         out[start:end] = self.experts[e](rows[start:end])
+#         start = end
+#
+# becomes `counts = helpers.expert_one_hot(ids, len(self.experts)).sum(0).tolist()` and
+# `for e, n in enumerate(counts):` with `if n == 0: continue` first in the body (kept where the loop had
+# it). Why that is the same loop: on ids sorted ascending, the runs `unique_consecutive` finds are the
+# distinct ids, ascending, each with its total count (as `torch.unique(ids, return_counts=True)` gives
+# for ids in any order); the copy visits every expert ascending with its total count and skips the
+# experts with none, so the body runs for the same (id, count) pairs in the same order. The id is read
+# only as the index of one container of experts (an id past it raised there, and raises in the count; a
+# negative one, which picked an expert from the end, raises), the two sequences only by the loop, and the
+# ids are not touched between their sort and the runs. The guard may then go as every count loop's does
+# (count_loops.py), or stay with its graph break.
+
+_RUNS = {"unique_consecutive", "unique"}
+
+
+def counted_runs_as_counts(fn_def: ast.FunctionDef, helpers: str) -> None:
+    """Rewrite, in place, each loop of the method's own block over `zip(present, counts)` of the runs of its
+    ids into a loop over every expert's count (above); loops not proved so are left alone."""
+    block = fn_def.body
+    for stmt in list(block):
+        runs = _runs_binding(stmt)
+        if runs is None:
+            continue
+        present, counts, ids, consecutive = runs
+        loop_at = _loop_over_runs(block, block.index(stmt), present, counts)
+        if loop_at is None or (consecutive and not _sorted_before(block, block.index(stmt), ids)):
+            continue
+        loop = block[loop_at]
+        var, count = loop.target.elts[0].id, loop.target.elts[1].id
+        container = _only_container(loop, var)
+        if container is None or _read_elsewhere(fn_def, (present, counts), loop, stmt):
+            continue
+        block[block.index(stmt)] = placed(
+            f"{counts} = {helpers}.expert_one_hot({ids}, len({container})).sum(0).tolist()", stmt)
+        loop.iter = placed(f"enumerate({counts})", loop.iter, expression=True)
+        if not _starts_with_zero_skip(loop, count):
+            loop.body.insert(0, placed(f"if {count} == 0:\n    continue", loop.body[0]))
+
+
+def _runs_binding(stmt: ast.stmt) -> tuple[str, str, str, bool] | None:
+    """(present, counts, ids, consecutive) for `present, counts = torch.unique_consecutive(ids,
+    return_counts=True)` (or `ids.unique_consecutive(...)`, `torch.unique(ids, return_counts=True)`)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+            and len(stmt.targets[0].elts) == 2 and all(isinstance(t, ast.Name) for t in stmt.targets[0].elts)):
+        return None
+    call = stmt.value
+    name = call_name(call)
+    if name not in _RUNS or not isinstance(call.func, ast.Attribute):
+        return None
+    base, args = call.func.value, list(call.args)
+    if isinstance(base, ast.Name) and base.id == "torch":
+        if len(args) != 1:
+            return None
+        base = args.pop()
+    keywords = {k.arg: k.value for k in call.keywords}
+    wanted = {"return_counts": True} | ({"sorted": True} if name == "unique" else {})
+    if args or not isinstance(base, ast.Name) or "return_counts" not in keywords or any(
+            k not in wanted or not (isinstance(v, ast.Constant) and v.value is wanted[k]) for k, v in keywords.items()):
+        return None
+    present, counts = (t.id for t in stmt.targets[0].elts)
+    return present, counts, base.id, name == "unique_consecutive"
+
+
+def _loop_over_runs(block: list[ast.stmt], at: int, present: str, counts: str) -> int | None:
+    """Where, after `at` in the same block, the first loop `for e, n in zip(present, counts)` stands (either
+    sequence maybe through `.tolist()`, `.cpu()`). The counts replace the runs at their own place, so what
+    runs in between sees the same ids either way."""
+    for index in range(at + 1, len(block)):
+        if isinstance(block[index], ast.For) and _zips_runs(block[index], present, counts):
+            return index
+    return None
+
+
+def _zips_runs(loop: ast.For, present: str, counts: str) -> bool:
+    target = loop.target
+    if loop.orelse or not (isinstance(target, ast.Tuple) and len(target.elts) == 2
+                           and all(isinstance(t, ast.Name) for t in target.elts)):
+        return False
+    zipped = loop.iter
+    if not (isinstance(zipped, ast.Call) and isinstance(zipped.func, ast.Name) and zipped.func.id == "zip"
+            and len(zipped.args) == 2 and all(k.arg == "strict" for k in zipped.keywords)):
+        return False
+    names = [strip_methods(a, {"tolist", "cpu"}) for a in zipped.args]
+    return all(isinstance(n, ast.Name) for n in names) and [n.id for n in names] == [present, counts]
+
+
+def _sorted_before(block: list[ast.stmt], at: int, ids: str) -> bool:
+    """The ids were last bound, in this block before `at`, as `ids = ids[order]` with `order` the ascending
+    argsort of the ids before (`torch.argsort(ids, ...)`, `ids.argsort(...)`), or `ids, _ = torch.sort(ids)`,
+    and nothing reads or binds them in between."""
+    for index in range(at - 1, -1, -1):
+        stmt = block[index]
+        if ids not in loads(stmt) and ids not in _names_stored(stmt):
+            continue
+        if _sorts_in_place_of(stmt, ids):
+            return True
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and stmt.targets[0].id == ids and isinstance(stmt.value, ast.Subscript)
+                and isinstance(stmt.value.value, ast.Name) and stmt.value.value.id == ids
+                and isinstance(stmt.value.slice, ast.Name)):
+            return False
+        return _argsort_of(block[:index], stmt.value.slice.id, ids)
+    return False
+
+
+def _sorts_in_place_of(stmt: ast.stmt, ids: str) -> bool:
+    """`ids, _ = torch.sort(ids)` / `ids.sort()` (ascending, any dim of a 1-D tensor)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+            and stmt.targets[0].elts and isinstance(stmt.targets[0].elts[0], ast.Name)
+            and stmt.targets[0].elts[0].id == ids):
+        return False
+    return _ascending_call(stmt.value, "sort", ids)
+
+
+def _argsort_of(before: list[ast.stmt], order: str, ids: str) -> bool:
+    """`order` was last bound, among `before`, to the ascending argsort of `ids`, and `ids` is not bound
+    between the two."""
+    for stmt in reversed(before):
+        if order in _names_stored(stmt):
+            return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and _ascending_call(stmt.value, "argsort", ids))
+        if ids in _names_stored(stmt):
+            return False
+    return False
+
+
+def _ascending_call(call: ast.AST, name: str, ids: str) -> bool:
+    """`torch.<name>(ids, ...)` or `ids.<name>(...)` without `descending=True` (dim 0 or -1 of 1-D ids)."""
+    if call_name(call) != name or not isinstance(call.func, ast.Attribute):
+        return False
+    base, args = call.func.value, list(call.args)
+    if isinstance(base, ast.Name) and base.id == "torch" and args:
+        base = args.pop(0)
+    if not (isinstance(base, ast.Name) and base.id == ids) or args:
+        return False
+    keywords = {k.arg: k.value for k in call.keywords}
+    descending = keywords.pop("descending", ast.Constant(False))
+    keywords.pop("stable", None)
+    dim = keywords.pop("dim", ast.Constant(0))
+    return (not keywords and isinstance(descending, ast.Constant) and descending.value is False
+            and isinstance(dim, ast.Constant) and dim.value in (0, -1))
+
+
+def _only_container(loop: ast.For, var: str) -> str | None:
+    """The one container (`self`, `self.experts`) the loop's id indexes, when the body reads the id only so."""
+    parents = {child: node for node in ast.walk(loop) for child in ast.iter_child_nodes(node)}
+    containers = set()
+    for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+        if isinstance(node, ast.Name) and node.id == var:
+            parent = parents[node]
+            if not (isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Subscript) and parent.slice is node
+                    and _attribute_chain_of_self(parent.value)):
+                return None
+            containers.add(ast.unparse(parent.value))
+    return containers.pop() if len(containers) == 1 else None
+
+
+def _attribute_chain_of_self(node: ast.AST) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _read_elsewhere(fn_def: ast.FunctionDef, names: tuple[str, ...], loop: ast.For, binding: ast.stmt) -> bool:
+    """`names` are read or bound anywhere but in the loop's `zip` and their binding."""
+    allowed = {id(n) for n in ast.walk(loop.iter)} | {id(n) for n in ast.walk(binding)}
+    return any(isinstance(n, ast.Name) and n.id in names and id(n) not in allowed for n in ast.walk(fn_def))
+
+
+def _starts_with_zero_skip(loop: ast.For, count: str) -> bool:
+    """The body begins with `if count == 0: continue`."""
+    first = loop.body[0]
+    return (isinstance(first, ast.If) and not first.orelse and len(first.body) == 1
+            and isinstance(first.body[0], ast.Continue) and isinstance(first.test, ast.Compare)
+            and ast.unparse(first.test) == f"{count} == 0")
+
+
+def _names_stored(stmt: ast.stmt) -> set[str]:
+    return {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+

@@ -286,3 +286,13 @@ def decided(cache: dict, key, where: str, decide, kind: str):
             cache[key] = f"{where}: source not understood ({type(exc).__name__}: {exc})"
             log.info("%s not adapted: %s", kind, cache[key])
     return cache[key]
+
+
+def placed(source: str, at: ast.AST, expression: bool = False) -> ast.AST:
+    """`source` parsed (a statement, or an expression), every node of it reported at `at`'s line (code a
+    traced copy adds)."""
+    parsed = ast.parse(source, mode="eval").body if expression else ast.parse(source).body[0]
+    for part in ast.walk(parsed):
+        if isinstance(part, ast.expr | ast.stmt):
+            ast.copy_location(part, at)
+    return parsed

@@ -153,7 +153,7 @@ class SlotAlgebra:
         return self._memo[node]
 
     def _index(self, node: Node) -> IndexMap | Identity | None:
-        if (is_cast(node) and _keeps_index_values(node)) or _flattening(node) or is_call(
+        if (is_cast(node) and _keeps_index_values(node)) or _flattening(node) or _splitting_tokens(node) or is_call(
             node, aten.clone.default, aten.alias.default
         ):
             return self.index(node.args[0])
@@ -645,6 +645,16 @@ def _flattening(node: Node) -> bool:
     return is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints) and (
         len(shape(node) or ()) == 1
     )
+
+
+def _splitting_tokens(node: Node) -> bool:
+    """A view of a [T, k] table as [B, S, k] (the tokens split over leading dims, each token's k slots
+    kept last): the same slots in the same row-major order."""
+    if not is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return False
+    before, after = shape(node.args[0]), shape(node)
+    return (before is not None and after is not None and len(before) == 2 and len(after) > 2
+            and same_size(before[-1], after[-1]))
 
 
 def _fresh(node: object) -> bool:
