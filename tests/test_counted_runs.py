@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import eager_output, run_hpu_moe
+from tests.helpers import eager_output, run_hpu_moe, skip_unless_dynamo_slices_for, torch_release
 from tests.loop_models import H, SeparateGatedExpert
 
 E, K = 6, 2
@@ -103,6 +103,25 @@ class TestsTheId(RunExperts):
         return torch.zeros_like(x).scatter_add_(0, token_of_slot[:, None].expand_as(rows), outputs * flat_weights[:, None])
 
 
+class StoresThroughAnAlias(RunExperts):
+    """The buffer is also read through another name after the loop: stored in place, not rebound."""
+
+    def forward(self, x, ids, weights):
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort()
+        present, counts = flat_ids.unique(return_counts=True)
+        rows = x[order // ids.shape[-1]]
+        outputs = torch.zeros_like(rows)
+        seen = outputs
+        start = 0
+        for e, n in zip(present.tolist(), counts.tolist(), strict=True):
+            end = start + n
+            outputs[start:end] = self[e](rows[start:end])
+            start = end
+        picked = seen * weights.reshape(-1)[order][:, None]
+        return torch.zeros_like(x).index_add_(0, order // ids.shape[-1], picked)
+
+
 class RunsMoE(nn.Module):
     def __init__(self, experts: type[RunExperts] = RunExperts):
         super().__init__()
@@ -121,14 +140,26 @@ def test_runs_of_sorted_ids_are_fused_and_equal(experts):
     torch.manual_seed(0)
     model, x = RunsMoE(experts), torch.randn(2, 5, H)
     report, output, recorder = run_hpu_moe(model, (x,))
+    torch.testing.assert_close(output, eager_output(model, (x,)))
+    skip_unless_dynamo_slices_for("deepseek_v2_count_loop")  # the adapted count loop cuts at counts read
     assert (report.graph_count, report.graph_break_count) == (1, 0), str(report)
     assert len(recorder.fused_nodes()) == 1, str(report)
-    torch.testing.assert_close(output, eager_output(model, (x,)))
     compiled = torch.compile(model, backend="hpu_moe", dynamic=True)
     with torch.no_grad():
         for tokens in (3, 8):
             y = torch.randn(1, tokens, H)
             torch.testing.assert_close(compiled(y), model(y))
+
+
+def test_a_buffer_read_through_another_name_is_stored_in_place():
+    torch.manual_seed(0)
+    model, x = RunsMoE(StoresThroughAnAlias), torch.randn(2, 5, H)
+    report, output, recorder = run_hpu_moe(model, (x,))
+    torch.testing.assert_close(output, eager_output(model, (x,)))
+    if torch_release() >= (2, 12):  # older dynamo cannot tell an in-place slice has the value's rows
+        assert len(recorder.fused_nodes()) == 1, str(report)
+    else:
+        assert not recorder.fused_nodes(), str(report)
 
 
 @pytest.mark.parametrize("experts", [UnsortedRuns, TestsTheId])

@@ -30,6 +30,7 @@ import dataclasses
 import types
 from collections.abc import Mapping
 
+from .offset_slices import written_fresh
 from .row_maps import Callees, acting_call, row_dropping
 from .source_ast import (
     VIEW_METHODS,
@@ -213,6 +214,7 @@ class CountLoop:
     line: int
     guard: int
     bounds: frozenset[str]  # the offset names its slices are cut at (read as numbers when traced)
+    fresh: frozenset[str] = frozenset()  # buffers made for the stores alone (`offset_slices.written_fresh`)
     # what the proof read of a namespace or a class (row_maps.still_trusted tells whether it still holds)
     trusted: tuple = dataclasses.field(default=(), compare=False)
 
@@ -264,7 +266,9 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
         call, found = acting
         raise NotAdaptable(f"line {call.lineno}: the call `{ast.unparse(call)[:50]}` in the loop over the counts "
                            f"goes through {found}, which may act for an expert with no rows")
-    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), tuple(callees.trusted))
+    fresh = written_fresh(fn_def, loop, carried | ends, assignments) if any(s.target for s in sinks) else set()
+    return CountLoop(loop.lineno, loop.body[guard].lineno, frozenset(carried | ends), frozenset(fresh),
+                     tuple(callees.trusted))
 
 
 def _guard_index(body: list[ast.stmt], n: str) -> int | None:

@@ -84,6 +84,7 @@ def cut(rows: torch.Tensor, start, end) -> torch.Tensor:
     start, end = _number(start), _number(end)
     torch._check(start >= 0)
     torch._check(start <= rows.shape[0])
+    torch._check(end >= 0)  # implied by the next, but older torch does not derive it for a sum of counts
     torch._check(end >= start)
     torch._check(end <= rows.shape[0])
     return rows[start:end]
@@ -132,7 +133,7 @@ def _is_zeros(value: ast.AST, assigned: dict) -> bool:
 _FRESH = {"zeros", "zeros_like", "empty", "empty_like", "new_zeros", "new_empty", "full", "new_full"}
 
 
-def _written_fresh(fn_def: ast.FunctionDef, loop: ast.For, names: set[str], assigned: dict) -> set[str]:
+def written_fresh(fn_def: ast.FunctionDef, loop: ast.For, names: set[str], assigned: dict) -> set[str]:
     """Names written at offsets in `loop` (`Y[s:t] = v`) that hold a tensor created in this function and
     read nowhere but in those writes and after the loop: for them `Y = write(Y, v, s, t)` is the same
     computation (no other reference sees Y change)."""
@@ -175,7 +176,7 @@ def _bounds(fn_def: ast.FunctionDef) -> dict[int, tuple[set[str], set[str]]]:
         names = {name for stmt in loop.body for name in _offset_bindings(stmt, offsets)}
         if names:
             _check_reads(loop, names, assigned)
-            loops[loop.lineno] = (names, _written_fresh(fn_def, loop, names, assigned))
+            loops[loop.lineno] = (names, written_fresh(fn_def, loop, names, assigned))
     if not loops:
         raise NotAdaptable("no loop over range(...) binds elements of cumsum offsets")
     return loops
