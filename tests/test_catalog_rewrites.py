@@ -189,6 +189,29 @@ def test_a_shared_expert_added_through_views_stays_beside_the_fused_dense_loop()
     assert len(training.fused) == 1, str(training)
 
 
+class DenseLoopAddedTwice(DenseLoopThenSharedThroughViews):
+    """The loop's sum added to itself: the region is the sum once, the doubling stays beside the call."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        flat = x.view(-1, h)
+        weights, ids = self.router(flat).softmax(-1).topk(2)
+        padded = torch.zeros(b * s, len(self.experts)).scatter(-1, ids, weights)
+        padded = padded.reshape(-1, s, len(self.experts)).permute(2, 0, 1).unsqueeze(-1)
+        out = torch.zeros(b, s, h)
+        for i, expert in enumerate(self.experts):
+            out = out + expert(flat).reshape(-1, s, h) * padded[i]
+        return out + out.view(b, s, h)
+
+
+def test_a_dense_loop_sum_added_to_itself_counts_each_expert_once():
+    torch.manual_seed(0)
+    model, x = DenseLoopAddedTwice(), torch.randn(2, 3, loop_models.H)
+    report, output, recorder = run_hpu_moe(model, (x,))
+    assert_close_for_dtype(output, eager_output(model, (x,)))
+    assert len(recorder.fused_nodes()) == 1, str(report)
+
+
 def test_shared_experts_stay_beside_the_fused_call():
     """Qwen2-MoE's gated shared expert and DeepSeek's shared experts keep their own matmuls."""
     for name, shared_mms in (("qwen2_shared_expert", 4), ("deepseek_v3_routing", 3)):

@@ -26,6 +26,7 @@ read as numbers or handed to a submodule that does (`.tolist()` split sizes, Ari
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import types
 from collections.abc import Mapping
@@ -237,7 +238,7 @@ def count_loop(loop: ast.For, assignments: dict, fn_def: ast.FunctionDef, namesp
     body = loop.body[:guard] + loop.body[guard + 1:]
     sinks, bound = _sinks_and_bindings(body, n)
     carried = _carried(body, bound)
-    ends = {name for name, value in _simple_bindings(body) if _is_sum_with(value, n, carried)}
+    ends = _ends(body, n, carried)
     for name in carried:
         _check_carried(body, name, n, ends)
     # (position in the body, name, value): a name read at some position is the one bound last before it
@@ -391,6 +392,16 @@ def _carried(body: list[ast.stmt], bound: set[str]) -> set[str]:
         if isinstance(stmt, ast.Assign | ast.AugAssign):
             seen |= {n for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]) for n in stored_names(t)}
     return carried
+
+
+def _ends(body: list[ast.stmt], n: str, carried: set[str]) -> set[str]:
+    """Names the body binds once, to `c + n` with c carried: the end of an expert's cut (a name bound again,
+    `end = end + 1`, is not)."""
+    times = collections.Counter(
+        name for stmt in body if isinstance(stmt, ast.Assign | ast.AugAssign) and not _stores_into_a_slice(stmt)
+        for target in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+        for name in stored_names(target))
+    return {name for name, value in _simple_bindings(body) if _is_sum_with(value, n, carried) and times[name] == 1}
 
 
 def _is_sum_with(value: ast.AST, n: str, carried: set[str]) -> bool:

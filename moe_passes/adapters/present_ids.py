@@ -204,8 +204,9 @@ def counted_runs_as_counts(fn_def: ast.FunctionDef, helpers: str) -> None:
         loop = block[loop_at]
         var, count = loop.target.elts[0].id, loop.target.elts[1].id
         container = _only_container(loop, var)
-        if container is None or _read_elsewhere(fn_def, (present, counts), loop, stmt):
-            continue
+        if container is None or _read_elsewhere(fn_def, (present, counts), loop, stmt) or _leaves_early(loop) or (
+                _read_outside(fn_def, (var, count), loop)):
+            continue  # after the copy's loop, e and n are the last expert's, not the last run's
         block[block.index(stmt)] = placed(
             f"{counts} = {helpers}.expert_one_hot({ids}, len({container})).sum(0).tolist()", stmt)
         loop.iter = placed(f"enumerate({counts})", loop.iter, expression=True)
@@ -262,25 +263,28 @@ def _zips_runs(loop: ast.For, present: str, counts: str) -> bool:
 
 def _sorted_before(block: list[ast.stmt], at: int, ids: str) -> bool:
     """The ids were last bound, in this block before `at`, as `ids = ids[order]` with `order` the ascending
-    argsort of the ids before (`torch.argsort(ids, ...)`, `ids.argsort(...)`), or `ids, _ = torch.sort(ids)`,
-    and nothing reads or binds them in between."""
+    argsort of the flat ids before (`torch.argsort(ids)`, `ids.argsort()`), or as `ids, _ = torch.sort(ids)`
+    of flat ids, and nothing may change the ids or the order in between (`_untouched_between`)."""
     for index in range(at - 1, -1, -1):
         stmt = block[index]
         if ids not in loads(stmt) and ids not in _names_stored(stmt):
             continue
         if _sorts_in_place_of(stmt, ids):
-            return True
+            return _flat_before(block[:index], ids) and _untouched_between(block[index + 1:at], ids, None, None)
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                 and stmt.targets[0].id == ids and isinstance(stmt.value, ast.Subscript)
                 and isinstance(stmt.value.value, ast.Name) and stmt.value.value.id == ids
                 and isinstance(stmt.value.slice, ast.Name)):
             return False
-        return _argsort_of(block[:index], stmt.value.slice.id, ids)
+        order = stmt.value.slice.id
+        sorted_at = _argsort_at(block[:index], order, ids)
+        return (sorted_at is not None and _flat_before(block[:sorted_at], ids)
+                and _untouched_between(block[sorted_at + 1:at], ids, order, stmt))
     return False
 
 
 def _sorts_in_place_of(stmt: ast.stmt, ids: str) -> bool:
-    """`ids, _ = torch.sort(ids)` / `ids.sort()` (ascending, any dim of a 1-D tensor)."""
+    """`ids, _ = torch.sort(ids)` / `ids.sort()` (ascending)."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
             and stmt.targets[0].elts and isinstance(stmt.targets[0].elts[0], ast.Name)
             and stmt.targets[0].elts[0].id == ids):
@@ -288,16 +292,77 @@ def _sorts_in_place_of(stmt: ast.stmt, ids: str) -> bool:
     return _ascending_call(stmt.value, "sort", ids)
 
 
-def _argsort_of(before: list[ast.stmt], order: str, ids: str) -> bool:
-    """`order` was last bound, among `before`, to the ascending argsort of `ids`, and `ids` is not bound
-    between the two."""
-    for stmt in reversed(before):
+def _argsort_at(before: list[ast.stmt], order: str, ids: str) -> int | None:
+    """Where, among `before`, `order` was last bound, when that is the ascending argsort of `ids` and `ids`
+    is not bound after it."""
+    for index in range(len(before) - 1, -1, -1):
+        stmt = before[index]
         if order in _names_stored(stmt):
-            return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and _ascending_call(stmt.value, "argsort", ids))
+            return index if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                             and isinstance(stmt.targets[0], ast.Name)
+                             and _ascending_call(stmt.value, "argsort", ids)) else None
         if ids in _names_stored(stmt):
+            return None
+    return None
+
+
+_FLATTENING = {"reshape", "view", "flatten", "ravel"}
+
+
+def _flat_before(before: list[ast.stmt], ids: str) -> bool:
+    """The ids were last bound, among `before`, to a flattening of a tensor (`x.reshape(-1)`, `x.view(-1)`,
+    `x.flatten()`, `torch.flatten(x)`): 1-D, so that a sort orders all of them."""
+    for stmt in reversed(before):
+        if ids not in _names_stored(stmt):
+            continue
+        value = _bound_value(stmt, ids)
+        name = call_name(value)
+        if name not in _FLATTENING or not isinstance(value.func, ast.Attribute):
             return False
+        if name in ("reshape", "view"):
+            return (len(value.args) == 1 and not value.keywords and isinstance(value.args[0], ast.UnaryOp)
+                    and ast.unparse(value.args[0]) == "-1")
+        return not value.keywords and (len(value.args) == 0 or ast.unparse(value.func.value) == "torch")
     return False
+
+
+def _bound_value(stmt: ast.stmt, name: str) -> ast.AST | None:
+    """The value `stmt` binds `name` to: `name = v`, or its place in `a, name = u, v`."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        return None
+    target, value = stmt.targets[0], stmt.value
+    if isinstance(target, ast.Name):
+        return value if target.id == name else None
+    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+        return next((v for t, v in zip(target.elts, value.elts, strict=True)
+                     if isinstance(t, ast.Name) and t.id == name), None)
+    return None
+
+
+def _untouched_between(between: list[ast.stmt], ids: str, order: str | None, reindex: ast.stmt | None) -> bool:
+    """Nothing in `between` can change the sorted ids or their order: no in-place method (`x.add_()`), no
+    `out=`, no store into a subscript or an attribute (through any name: a view of the ids may be anywhere),
+    the ids read only by `reindex` (`ids = ids[order]`), the order only as an index (`x[order]`)."""
+    for stmt in between:
+        nodes = list(ast.walk(stmt))
+        if any(_changes_something(node) for node in nodes):
+            return False
+        if stmt is not reindex and ids in loads(stmt):
+            return False
+        index_reads = {id(n.slice) for n in nodes if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Load)}
+        if order is not None and any(isinstance(n, ast.Name) and n.id == order and id(n) not in index_reads
+                                     for n in nodes):
+            return False
+    return True
+
+
+def _changes_something(node: ast.AST) -> bool:
+    if isinstance(node, ast.Subscript | ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+        return True
+    if not isinstance(node, ast.Call):
+        return False
+    method = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+    return (method.endswith("_") and not method.endswith("__")) or any(k.arg == "out" for k in node.keywords)
 
 
 def _ascending_call(call: ast.AST, name: str, ids: str) -> bool:
@@ -341,6 +406,17 @@ def _read_elsewhere(fn_def: ast.FunctionDef, names: tuple[str, ...], loop: ast.F
     """`names` are read or bound anywhere but in the loop's `zip` and their binding."""
     allowed = {id(n) for n in ast.walk(loop.iter)} | {id(n) for n in ast.walk(binding)}
     return any(isinstance(n, ast.Name) and n.id in names and id(n) not in allowed for n in ast.walk(fn_def))
+
+
+def _leaves_early(loop: ast.For) -> bool:
+    """A `break` or `return` in the body: the runs left unvisited could be ids past the experts (an expert
+    range), which the copy's count would check."""
+    return any(isinstance(n, ast.Break | ast.Return) for stmt in loop.body for n in ast.walk(stmt))
+
+
+def _read_outside(fn_def: ast.FunctionDef, names: tuple[str, ...], loop: ast.For) -> bool:
+    inside = {id(n) for n in ast.walk(loop)}
+    return any(isinstance(n, ast.Name) and n.id in names and id(n) not in inside for n in ast.walk(fn_def))
 
 
 def _starts_with_zero_skip(loop: ast.For, count: str) -> bool:

@@ -49,6 +49,8 @@ def _accumulations(graph: torch.fx.Graph, terms: dict[Node, ExpertTerm]) -> list
                 else:
                     parts = None
                     break
+            if parts is not None and len(parts) == 2 and parts[0] & parts[1]:
+                parts = None  # `out + out`, `y + y`: a term counted twice is no sum of distinct experts
             leaves[node] = frozenset().union(*parts) if parts is not None else None
     order = {n: i for i, n in enumerate(graph.nodes)}
     roots = []

@@ -201,8 +201,8 @@ class SlotAlgebra:
         """P(perm) -> S when `sort` orders the flat ids ascending (stable or not: an expert's rows stay
         together either way, and every later step goes through the same permutation)."""
         args = arguments(sort) or {}
-        if args.get("descending") or args.get("dim", -1) not in (0, -1):
-            return None
+        if args.get("descending") or args.get("dim", -1) not in (0, -1) or len(shape(args.get("input")) or ()) != 1:
+            return None  # a sort of [T, k] ids along a dim orders each token's ids, not the flat ids
         source = self.index(args.get("input"))
         if not (isinstance(source, IndexMap) and source.domain == SLOTS and source.steps == (Step("expert"),)):
             return None
