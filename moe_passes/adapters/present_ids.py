@@ -1,4 +1,5 @@
-"""Loops over the expert ids present in the routing (`for e in ids.unique().tolist():`).
+"""Loops over the expert ids present in the routing (`for e in ids.unique().tolist():`), and over the runs
+of sorted ids with their counts (`zip(*torch.unique_consecutive(ids, return_counts=True))`, below).
 
     for e in ids.unique().tolist():            # or torch.unique(ids), sorted(set(ids.flatten().tolist())), ...
         token, slot = torch.where(ids == e)
@@ -180,11 +181,14 @@ def expert_one_hot(ids: torch.Tensor, count: int) -> torch.Tensor:
 # it). Why that is the same loop: on ids sorted ascending, the runs `unique_consecutive` finds are the
 # distinct ids, ascending, each with its total count (as `torch.unique(ids, return_counts=True)` gives
 # for ids in any order); the copy visits every expert ascending with its total count and skips the
-# experts with none, so the body runs for the same (id, count) pairs in the same order. The id is read
-# only as the index of one container of experts (an id past it raised there, and raises in the count; a
-# negative one, which picked an expert from the end, raises), the two sequences only by the loop, and the
-# ids are not touched between their sort and the runs. The guard may then go as every count loop's does
-# (count_loops.py), or stay with its graph break.
+# experts with none, so the body runs for the same (id, count) pairs in the same order. Taken where the
+# sorted ids are flat (`x.reshape(-1)`: a sort of [T, k] ids along a dim orders each token's) and nothing
+# between their sort and the runs may change them or the order (`_untouched_between`); the id is read only
+# as the index of one container of experts (an id past it raised there, and raises in the count; a
+# negative one, which picked an expert from the end, raises); the two sequences are read only by the loop,
+# the loop's id and count not after it (there the copy leaves the last expert's, not the last run's), and
+# nothing leaves the loop early (`break`: the runs not visited could be ids past the experts). The guard
+# may then go as every count loop's does (count_loops.py), or stay with its graph break.
 
 _RUNS = {"unique_consecutive", "unique"}
 
