@@ -213,6 +213,26 @@ class GreedyMaxHead(GreedyHead):
         return x * (token == 3).unsqueeze(-1)
 
 
+class ArgmaxLoopIntoTransposedBuffer(MaxRoutedIntoTransposedBuffer):
+    """Top-1 by argmax, each expert's tokens picked by `ids == e` for every e: a loop over the experts."""
+
+    def forward(self, x):  # [B, S, H]
+        probs = self.router(x).softmax(-1)
+        ids = probs.argmax(dim=-1)
+        out = x.new_zeros(x.shape[1], x.shape[0], H).transpose(0, 1)
+        for e in range(E):
+            out[ids == e] = self.experts[e](x[ids == e]) * probs[ids == e][:, e:e + 1]
+        return out
+
+
+class GreedyTwoStops(GreedyHead):
+    """Greedy decoding that stops at either of two end tokens: an argmax compared with a few numbers."""
+
+    def forward(self, x):
+        token = self.head(x).argmax(-1)
+        return x * ((token == 2) | (token == 3)).unsqueeze(-1)
+
+
 def _run(model, *inputs):
     torch.manual_seed(0)
     model = model.eval()
@@ -242,10 +262,13 @@ def test_a_router_choosing_by_max_is_named_where_no_finder_reads_its_stores():
     assert not report.fused, str(report)
     (declined,) = _routing_declines(report)
     assert "max of 4" in declined.reason and "one_hot" in declined.reason, declined
+    report = _run(ArgmaxLoopIntoTransposedBuffer(), torch.randn(2, 5, H))
+    (declined,) = _routing_declines(report)
+    assert "argmax of 4" in declined.reason and "a comparison with an expert number" in declined.reason, declined
 
 
 def test_sampling_greedy_decoding_sparse_attention_and_token_picks_are_not_taken_for_routers():
-    for model in (SamplingHead(), GreedyHead(), GreedyMaxHead(), TopkAttention(), TokenChoiceByLayer(), SparseCode(),
+    for model in (SamplingHead(), GreedyHead(), GreedyMaxHead(), GreedyTwoStops(), TopkAttention(), TokenChoiceByLayer(), SparseCode(),
                   CodebookLookup(), BeamEnd(), ExpertsChooseTokens()):
         report = _run(model, torch.randn(5, H))
         assert not _routing_declines(report) and not report.fused, str(report)

@@ -175,11 +175,14 @@ def _expert_reader(ids: Node, experts: int, from_topk: bool, scored: set[Node], 
 
 def _reads_as_expert(user: Node, ids: Node, experts: int, from_topk: bool, scored: set[Node]) -> bool:
     """`user` reads `ids` as expert numbers. An argmax's ids compared or counted could be a greedy
-    token choice (`next_token == eos`), so only a top-k's count as read by those."""
+    token choice (`next_token == eos`), so only a top-k's count as read by those, or an argmax's compared
+    with every number 0..E-1 (a loop over the experts)."""
     if is_call(user, aten.one_hot.default) or _one_hot(user, ids, experts):
         return True
     if is_call(user, aten.eq.Scalar, aten.ne.Scalar):  # compared with several numbers: a loop over experts
-        return from_topk and len(_numbers_compared_with(_root_of(ids))) > 1
+        numbers = _numbers_compared_with(_root_of(ids))
+        # an argmax's compared with every expert number (a stop token is one number, or a few)
+        return len(numbers) > 1 if from_topk else numbers >= set(range(experts))
     if is_call(user, *_COMPARISONS, *_COUNTS):
         return from_topk or user.target in (aten.bincount.default, aten.histc.default)
     if is_call(user, *_SCATTERS):  # ids as the index of an [.., E] table
