@@ -118,7 +118,7 @@ from .host_reads import (
     tensor_like,
     true_counts,
 )
-from .offset_slices import adapted_calls, compile_with_helpers, cut, sums_offsets, write
+from .offset_slices import CutAtOffsets, adapted_calls, compile_with_helpers, cut, sums_offsets, write
 from .one_hot_cuts import adapted_one_hot_calls, sizes_one_hot_on_host
 from .present_ids import (
     PresentLoop,
@@ -2396,7 +2396,7 @@ class _Rewrite(ast.NodeTransformer):
             ast.fix_missing_locations(node)
         if node.lineno in self.count_loops:
             count_loop = self.count_loops[node.lineno]
-            node = _NumericBounds(count_loop.bounds, count_loop.fresh).visit(node)
+            node = CutAtOffsets(count_loop.bounds, count_loop.fresh, _HELPERS).visit(node)
         loop = self.by_line.get(node.lineno)
         if loop is None:
             return self.generic_visit(node)
@@ -2469,44 +2469,6 @@ def _as_list(visited) -> list:
 def _statement(helper: str, at: ast.AST) -> ast.stmt:
     """`<helpers>.<helper>()` as a statement, reported at `at`'s line."""
     return placed(f"{_HELPERS}.{helper}()", at)
-
-
-class _NumericBounds(ast.NodeTransformer):
-    """`X[a:b]` with a and b offsets -> `cut(X, a, b)` (bounds read as numbers). A store `X[a:b] = v` into a
-    buffer made for the stores alone -> `X = write(X, v, a, b)` (no other reference sees X change; dynamo of
-    torch 2.11 cannot tell an in-place slice has the value's rows), else `cut(X, a, b).copy_(v)`, what slice
-    assignment does."""
-
-    def __init__(self, names: frozenset[str], fresh: frozenset[str] = frozenset()):
-        self.names, self.fresh = names, fresh
-
-    def visit_Assign(self, node: ast.Assign):
-        node = self.generic_visit(node)
-        target = node.targets[0] if len(node.targets) == 1 else None
-        if not (isinstance(target, ast.Subscript) and self._offsets(target.slice)):
-            return node
-        lower, upper = target.slice.lower.id, target.slice.upper.id
-        buffer = target.value.id if isinstance(target.value, ast.Name) else None
-        if buffer in self.fresh:
-            stmt = placed(f"{buffer} = {_HELPERS}.write({buffer}, __V__, {lower}, {upper})", node)
-            stmt.value.args[1] = node.value
-            return stmt
-        stmt = placed(f"{_HELPERS}.cut(__X__, {lower}, {upper}).copy_(__V__)", node)
-        stmt.value.func.value.args[0], stmt.value.args[0] = target.value, node.value
-        return stmt
-
-    def _offsets(self, bounds: ast.AST) -> bool:
-        return isinstance(bounds, ast.Slice) and bounds.step is None and all(
-            isinstance(b, ast.Name) and b.id in self.names for b in (bounds.lower, bounds.upper))
-
-    def visit_Subscript(self, node: ast.Subscript):
-        node = self.generic_visit(node)
-        bounds = node.slice
-        if not (isinstance(node.ctx, ast.Load) and self._offsets(bounds)):
-            return node
-        call = _parse_expr(f"{_HELPERS}.cut(__X__, {bounds.lower.id}, {bounds.upper.id})")
-        call.args[0] = node.value
-        return ast.copy_location(call, node)
 
 
 class _Subscripts(ast.NodeTransformer):

@@ -232,26 +232,53 @@ def _is_cut(node: ast.Subscript, names: set[str]) -> bool:
     )
 
 
-class _ReadOffsets(ast.NodeTransformer):
-    """Bindings of bounds read once as numbers; slices at them cut with checked bounds."""
+class CutAtOffsets(ast.NodeTransformer):
+    """Slices at the offset names `names`, cut with checked bounds: `X[s:t]` -> `cut(X, s, t)`. A store
+    `Y[s:t] = v` into a buffer in `fresh` (made for the stores alone, `written_fresh`) -> `Y = write(Y, v, s,
+    t)`: no other reference sees Y change, and dynamo of torch 2.11 cannot tell an in-place slice has the
+    value's rows; any other -> `cut(Y, s, t).copy_(v)`, what slice assignment does. `helpers`: the name the
+    traced copy binds its helpers (`cut`, `write`) to."""
 
-    def __init__(self, names: set[str], fresh: set[str]):
-        self.names = names
-        self.fresh = fresh
+    def __init__(self, names: set[str], fresh: set[str], helpers: str = _HELPERS):
+        self.names, self.fresh, self.helpers = names, fresh, helpers
 
     def visit_Assign(self, node: ast.Assign):
         node = self.generic_visit(node)
         target = node.targets[0] if len(node.targets) == 1 else None
-        if isinstance(target, ast.Subscript) and _is_cut(target, self.names):  # Y[s:t] = v
-            if isinstance(target.value, ast.Name) and target.value.id in self.fresh:  # Y = write(Y, v, s, t)
-                name = target.value.id
-                func = ast.Attribute(ast.Name(_HELPERS, ast.Load()), "write", ast.Load())
-                bounds = [ast.Name(target.slice.lower.id, ast.Load()), ast.Name(target.slice.upper.id, ast.Load())]
-                call = ast.Call(func, [ast.Name(name, ast.Load()), node.value, *bounds], [])
-                return ast.copy_location(ast.Assign([ast.Name(name, ast.Store())], call), node)
-            cut_call = self._cut(target)
-            copy = ast.Call(ast.Attribute(cut_call, "copy_", ast.Load()), [node.value], [])
-            return ast.copy_location(ast.Expr(copy), node)
+        if not (isinstance(target, ast.Subscript) and _is_cut(target, self.names)):  # Y[s:t] = v
+            return node
+        if isinstance(target.value, ast.Name) and target.value.id in self.fresh:  # Y = write(Y, v, s, t)
+            name = target.value.id
+            call = ast.Call(self._helper("write"), [ast.Name(name, ast.Load()), node.value, *self._bounds(target)], [])
+            return _located(ast.Assign([ast.Name(name, ast.Store())], call), node)
+        copy = ast.Call(ast.Attribute(self._cut(target), "copy_", ast.Load()), [node.value], [])
+        return _located(ast.Expr(copy), node)
+
+    def visit_Subscript(self, node: ast.Subscript):
+        node = self.generic_visit(node)
+        if isinstance(node.ctx, ast.Load) and _is_cut(node, self.names):
+            return _located(self._cut(node), node)
+        return node
+
+    def _helper(self, name: str) -> ast.expr:
+        return ast.Attribute(ast.Name(self.helpers, ast.Load()), name, ast.Load())
+
+    @staticmethod
+    def _bounds(node: ast.Subscript) -> list[ast.expr]:
+        return [ast.Name(node.slice.lower.id, ast.Load()), ast.Name(node.slice.upper.id, ast.Load())]
+
+    def _cut(self, node: ast.Subscript) -> ast.expr:
+        return ast.Call(self._helper("cut"), [node.value, *self._bounds(node)], [])
+
+
+class _ReadOffsets(CutAtOffsets):
+    """Bindings of bounds read once as numbers; slices at them cut with checked bounds."""
+
+    def visit_Assign(self, node: ast.Assign):
+        node = super().visit_Assign(node)
+        if not isinstance(node, ast.Assign):
+            return node
+        target = node.targets[0] if len(node.targets) == 1 else None
         if isinstance(target, ast.Name) and target.id in self.names:
             node.value = self._read(node.value)
         elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
@@ -261,21 +288,17 @@ class _ReadOffsets(ast.NodeTransformer):
             ]
         return node
 
-    def visit_Subscript(self, node: ast.Subscript):
-        node = self.generic_visit(node)
-        if isinstance(node.ctx, ast.Load) and _is_cut(node, self.names):
-            return ast.copy_location(self._cut(node), node)
-        return node
-
     def _read(self, value: ast.expr) -> ast.expr:
-        call = ast.Call(ast.Attribute(ast.Name(_HELPERS, ast.Load()), "offset", ast.Load()), [value], [])
-        return ast.copy_location(call, value)
+        return _located(ast.Call(self._helper("offset"), [value], []), value)
 
-    def _cut(self, node: ast.Subscript) -> ast.expr:
-        value = node.value
-        bounds = [ast.Name(node.slice.lower.id, ast.Load()), ast.Name(node.slice.upper.id, ast.Load())]
-        func = ast.Attribute(ast.Name(_HELPERS, ast.Load()), "cut", ast.Load())
-        return ast.copy_location(ast.Call(func, [value, *bounds], []), node)
+
+def _located(new: ast.AST, at: ast.AST) -> ast.AST:
+    """`new`, each node it adds reported at `at`'s place (the nodes it takes over keep theirs): the copy's
+    later rewrites read their lines."""
+    for part in ast.walk(new):
+        if isinstance(part, ast.expr | ast.stmt) and not hasattr(part, "lineno"):
+            ast.copy_location(part, at)
+    return new
 
 
 def _rewrite(fn, fn_def: ast.FunctionDef, filename: str, loops: dict) -> types.FunctionType:

@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from .source_ast import NotAdaptable, call_name, loads, placed, strip_methods
+from .source_ast import NotAdaptable, call_name, in_place_name, loads, placed, strip_methods
 
 # Methods that keep the values of the ids (flattening, host copies) before or after `unique`
 _KEEPS_VALUES = {"flatten", "view", "reshape", "contiguous", "cpu", "tolist", "long", "int"}
@@ -366,7 +366,7 @@ def _changes_something(node: ast.AST) -> bool:
     if not isinstance(node, ast.Call):
         return False
     method = node.func.attr if isinstance(node.func, ast.Attribute) else ""
-    return (method.endswith("_") and not method.endswith("__")) or any(k.arg == "out" for k in node.keywords)
+    return in_place_name(method) or any(k.arg == "out" for k in node.keywords)
 
 
 def _ascending_call(call: ast.AST, name: str, ids: str) -> bool:
